@@ -1,0 +1,43 @@
+# The README's commands. `make demo` and `make test` set up everything they need.
+SHELL := /bin/bash
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+KVWARM := $(VENV)/bin/kvwarm
+STAMP := $(VENV)/.installed
+PYTEST_ARGS ?=
+
+.PHONY: demo test lint format bench install clean system-deps
+
+# Installing twice is fast: the stamp is newer than pyproject.toml unless it changed.
+$(STAMP): pyproject.toml
+	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -e '.[dev]'
+	@touch $(STAMP)
+
+system-deps:
+	@bash scripts/system-deps.sh
+
+install: system-deps $(STAMP)
+
+demo: install
+	$(KVWARM) demo
+
+test: install
+	$(PY) -m pytest $(PYTEST_ARGS)
+
+lint: install
+	$(VENV)/bin/ruff check features predictor training serving executor tests
+	$(VENV)/bin/ruff format --check features predictor training serving executor tests
+	$(VENV)/bin/mypy
+
+format: install
+	$(VENV)/bin/ruff format features predictor training serving executor tests
+	$(VENV)/bin/ruff check --fix features predictor training serving executor tests
+
+bench: install
+	$(KVWARM) bench all
+
+clean:
+	rm -rf $(VENV) .cache build *.egg-info
