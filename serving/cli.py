@@ -18,6 +18,7 @@ import click
 COMMANDS: dict[str, tuple[str, str]] = {
     "generate": ("features.generator_cli:generate", "Write a synthetic serving trace (Mooncake JSONL)."),
     "stats": ("features.stats_cli:stats", "Print a trace's statistics and LRU/Belady hit ratios."),
+    "bench": ("serving.bench_cli:bench", "Run benchmarks (ratios against same-process baselines)."),
 }
 
 

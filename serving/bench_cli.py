@@ -1,0 +1,51 @@
+"""``kvwarm bench NAME``: benchmarks (not tests). Each prints ratios against a baseline
+run in the same process, so figures compare across noisy shared machines.
+
+To add one, put a ``click.Command`` in the module that owns the subject and add a line
+to ``BENCHES``. ``kvwarm bench all`` runs every one in turn.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+import click
+
+# name -> ("module:attribute", one-line help)
+BENCHES: dict[str, tuple[str, str]] = {}
+
+
+def _load(name: str) -> click.Command:
+    module_name, attr = BENCHES[name][0].split(":")
+    command = getattr(importlib.import_module(module_name), attr)
+    assert isinstance(command, click.Command)
+    return command
+
+
+class _BenchGroup(click.Group):
+    def list_commands(self, ctx: click.Context) -> list[str]:
+        return [*sorted(BENCHES), "all"]
+
+    def get_command(self, ctx: click.Context, cmd_name: str) -> click.Command | None:
+        if cmd_name == "all":
+            return run_all
+        return _load(cmd_name) if cmd_name in BENCHES else None
+
+    def format_commands(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
+        rows = [(n, BENCHES[n][1]) for n in sorted(BENCHES)] + [("all", "Run every benchmark.")]
+        with formatter.section("Benchmarks"):
+            formatter.write_dl(rows)
+
+
+@click.command("all")
+@click.pass_context
+def run_all(ctx: click.Context) -> None:
+    """Run every benchmark with its defaults."""
+    for name in sorted(BENCHES):
+        click.echo(f"\n=== kvwarm bench {name}")
+        ctx.invoke(_load(name))
+
+
+@click.group(cls=_BenchGroup)
+def bench() -> None:
+    """Benchmarks: throughput and latency as ratios against same-process baselines."""
