@@ -53,8 +53,12 @@ def access_arrays(events: Iterable[BlocksAccessed]) -> AccessArrays:
     lengths_arr = np.asarray(lengths, dtype=np.int64)
     request_index = np.repeat(np.arange(len(lengths), dtype=np.int64), lengths_arr)
     ts_ms = np.repeat(np.asarray(times, dtype=np.int64), lengths_arr)
-    starts = np.concatenate([[0], np.cumsum(lengths_arr)[:-1]]) if lengths else np.zeros(0, np.int64)
-    depth = (np.arange(raw.shape[0], dtype=np.int64) - np.repeat(starts, lengths_arr)).astype(np.int32)
+    starts = (
+        np.concatenate([[0], np.cumsum(lengths_arr)[:-1]]) if lengths else np.zeros(0, np.int64)
+    )
+    depth = (np.arange(raw.shape[0], dtype=np.int64) - np.repeat(starts, lengths_arr)).astype(
+        np.int32
+    )
     # Dense ids in first-seen order, so ids are stable under appending to the trace.
     uniq, first_pos, inverse = np.unique(raw, return_index=True, return_inverse=True)
     order = np.argsort(first_pos, kind="stable")

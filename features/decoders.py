@@ -104,7 +104,9 @@ def _require(obj: dict[str, Any], name: str) -> Any:
 def decode_mooncake(obj: Any, request_id: str) -> BlocksAccessed:
     """One Mooncake trace row: ``{timestamp, input_length, output_length, hash_ids}``."""
     if not isinstance(obj, dict):
-        raise EventValidationError("<row>", f"expected a JSON object, got {type(obj).__name__}", "not_object")
+        raise EventValidationError(
+            "<row>", f"expected a JSON object, got {type(obj).__name__}", "not_object"
+        )
     hash_ids = _require(obj, "hash_ids")
     event = BlocksAccessed.validated(
         ts_ms=_require(obj, "timestamp"),
@@ -122,7 +124,9 @@ def decode_mooncake(obj: Any, request_id: str) -> BlocksAccessed:
 def decode_canonical(obj: Any, request_id: str | None = None) -> BlocksAccessed:
     """One canonical access event (``BlocksAccessed.to_dict`` form)."""
     if not isinstance(obj, dict):
-        raise EventValidationError("<row>", f"expected a JSON object, got {type(obj).__name__}", "not_object")
+        raise EventValidationError(
+            "<row>", f"expected a JSON object, got {type(obj).__name__}", "not_object"
+        )
     rid = obj.get("request_id") or request_id
     if rid is None:
         raise EventValidationError("request_id", "is missing", "missing_field")
@@ -176,17 +180,25 @@ def _event_fields(raw: Any) -> tuple[str, dict[str, Any]]:
         tag = raw[0]
         if tag not in _VLLM_TAGS:
             raise EventValidationError("type", f"unknown KV event tag {tag!r}", "unknown_tag")
-        names = _STORED_FIELDS if tag == "BlockStored" else _REMOVED_FIELDS if tag == "BlockRemoved" else ()
+        names = (
+            _STORED_FIELDS
+            if tag == "BlockStored"
+            else _REMOVED_FIELDS
+            if tag == "BlockRemoved"
+            else ()
+        )
         values = list(raw[1:])
         if len(values) > len(names):
-            raise EventValidationError(tag, f"{len(values)} fields, at most {len(names)} expected", "bad_shape")
+            raise EventValidationError(
+                tag, f"{len(values)} fields, at most {len(names)} expected", "bad_shape"
+            )
         return tag, dict(zip(names, values, strict=False))
-    raise EventValidationError("events", f"expected a map or array event, got {raw!r:.60}", "bad_shape")
+    raise EventValidationError(
+        "events", f"expected a map or array event, got {raw!r:.60}", "bad_shape"
+    )
 
 
-def _residency_event(
-    raw: Any, ts_ms: int, engine_id: str, dp_rank: int | None
-) -> ResidencyEvent:
+def _residency_event(raw: Any, ts_ms: int, engine_id: str, dp_rank: int | None) -> ResidencyEvent:
     tag, f = _event_fields(raw)
     if tag == "AllBlocksCleared":
         return AllBlocksCleared(ts_ms=ts_ms, engine_id=engine_id, data_parallel_rank=dp_rank)
@@ -194,7 +206,11 @@ def _residency_event(
     tier = normalize_tier(f.get("medium"))
     if tag == "BlockRemoved":
         return BlockRemoved(
-            ts_ms=ts_ms, block_hashes=hashes, tier=tier, engine_id=engine_id, data_parallel_rank=dp_rank
+            ts_ms=ts_ms,
+            block_hashes=hashes,
+            tier=tier,
+            engine_id=engine_id,
+            data_parallel_rank=dp_rank,
         )
     parent = f.get("parent_block_hash")
     token_ids = f.get("token_ids") or []
@@ -202,7 +218,9 @@ def _residency_event(
         raise EventValidationError("token_ids", "expected a list", "bad_type")
     block_size = f.get("block_size") or 0
     if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 0:
-        raise EventValidationError("block_size", f"expected a non-negative integer, got {block_size!r}", "bad_type")
+        raise EventValidationError(
+            "block_size", f"expected a non-negative integer, got {block_size!r}", "bad_type"
+        )
     lora_name = f.get("lora_name")
     return BlockStored(
         ts_ms=ts_ms,
@@ -236,13 +254,19 @@ def decode_kv_event_batch(payload: bytes, engine_id: str = "") -> list[Residency
         ts, events = batch[0], batch[1]
         dp_rank = batch[2] if len(batch) > 2 else None
     else:
-        raise EventValidationError("<batch>", f"expected [ts, events, dp_rank], got {batch!r:.60}", "bad_shape")
+        raise EventValidationError(
+            "<batch>", f"expected [ts, events, dp_rank], got {batch!r:.60}", "bad_shape"
+        )
     if isinstance(ts, bool) or not isinstance(ts, (int, float)) or ts < 0:
-        raise EventValidationError("ts", f"expected a non-negative number of seconds, got {ts!r}", "bad_type")
+        raise EventValidationError(
+            "ts", f"expected a non-negative number of seconds, got {ts!r}", "bad_type"
+        )
     if not isinstance(events, (list, tuple)):
         raise EventValidationError("events", "expected a list", "bad_type")
     if dp_rank is not None and (isinstance(dp_rank, bool) or not isinstance(dp_rank, int)):
-        raise EventValidationError("data_parallel_rank", f"expected an integer, got {dp_rank!r}", "bad_type")
+        raise EventValidationError(
+            "data_parallel_rank", f"expected an integer, got {dp_rank!r}", "bad_type"
+        )
     ts_ms = int(round(ts * 1000))
     return [_residency_event(raw, ts_ms, engine_id, dp_rank) for raw in events]
 
@@ -263,6 +287,7 @@ def decode_message(payload: bytes, request_id: str = "", engine_id: str = "") ->
 
 
 # --- trace files ---------------------------------------------------------------------
+
 
 def _open_text(path: Path) -> IO[str]:
     with open(path, "rb") as fh:
@@ -298,7 +323,9 @@ def detect_format(path: Path) -> str:
 def _csv_rows(fh: IO[str]) -> Iterator[tuple[int, dict[str, Any] | EventValidationError, str]]:
     reader = csv.DictReader(fh)
     if not reader.fieldnames or "block_hashes" not in reader.fieldnames:
-        raise TraceFormatError("CSV trace needs a header with at least ts_ms, block_hashes, block_size_tokens")
+        raise TraceFormatError(
+            "CSV trace needs a header with at least ts_ms, block_hashes, block_size_tokens"
+        )
     for row in reader:
         line_no = reader.line_num
         raw = ",".join(str(v) for v in row.values())
@@ -375,7 +402,11 @@ def _json_rows(fh: IO[str]) -> Iterator[tuple[int, Any, str]]:
         try:
             yield line_no, _json_decoder.decode(line), line.rstrip("\n")
         except (msgspec.DecodeError, ValueError) as exc:
-            yield line_no, EventValidationError("<line>", f"broken JSON: {exc}", "bad_json"), line.rstrip("\n")
+            yield (
+                line_no,
+                EventValidationError("<line>", f"broken JSON: {exc}", "bad_json"),
+                line.rstrip("\n"),
+            )
 
 
 def _with_ts(event: BlocksAccessed, ts_ms: int) -> BlocksAccessed:

@@ -91,7 +91,9 @@ def normalize_tier(medium: str | None) -> Tier:
     if medium is None:
         return Tier.HBM
     if not isinstance(medium, str):
-        raise EventValidationError("medium", f"expected a string, got {type(medium).__name__}", "bad_type")
+        raise EventValidationError(
+            "medium", f"expected a string, got {type(medium).__name__}", "bad_type"
+        )
     tier = TIER_ALIASES.get(medium.strip().lower().replace("-", "_"))
     if tier is None:
         known = ", ".join(sorted(TIER_ALIASES))
@@ -148,7 +150,9 @@ def block_hashes_from(values: Any, field: str = "block_hashes") -> tuple[int, ..
     if values is None:
         raise EventValidationError(field, "is missing", "missing_field")
     if not isinstance(values, (list, tuple)):
-        raise EventValidationError(field, f"expected a list, got {type(values).__name__}", "bad_type")
+        raise EventValidationError(
+            field, f"expected a list, got {type(values).__name__}", "bad_type"
+        )
     return tuple(block_hash_from(v, field) for v in values)
 
 

@@ -17,7 +17,9 @@ def parse_fractions(text: str) -> tuple[float, ...]:
     try:
         values = tuple(float(x) for x in text.split(",") if x.strip())
     except ValueError:
-        raise click.BadParameter(f"{text!r}: expected comma-separated fractions such as 0.01,0.05") from None
+        raise click.BadParameter(
+            f"{text!r}: expected comma-separated fractions such as 0.01,0.05"
+        ) from None
     if not values or any(not 0 < v <= 1 for v in values):
         raise click.BadParameter(f"{text!r}: each fraction must be in (0, 1]")
     return values
@@ -31,8 +33,14 @@ def parse_fractions(text: str) -> tuple[float, ...]:
     show_default=True,
     help="Cache sizes as fractions of the distinct blocks.",
 )
-@click.option("--format", "fmt", type=click.Choice(TRACE_FORMATS), default="auto", show_default=True)
-@click.option("--rejects", type=click.Path(dir_okay=False, path_type=Path), help="Append rejected rows here (JSONL).")
+@click.option(
+    "--format", "fmt", type=click.Choice(TRACE_FORMATS), default="auto", show_default=True
+)
+@click.option(
+    "--rejects",
+    type=click.Path(dir_okay=False, path_type=Path),
+    help="Append rejected rows here (JSONL).",
+)
 @click.option("--json", "as_json", is_flag=True, help="Print machine-readable JSON.")
 def stats(trace: Path, capacities: str, fmt: str, rejects: Path | None, as_json: bool) -> None:
     """Print a trace's size, reuse and LRU/Belady hit ratios at each capacity.

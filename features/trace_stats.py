@@ -114,7 +114,9 @@ def _percentiles(values: np.ndarray) -> dict[str, float]:
     return {"p50": float(p50), "p90": float(p90), "p99": float(p99)}
 
 
-def trace_stats(arrays: AccessArrays, capacities: tuple[float, ...] = DEFAULT_CAPACITIES) -> TraceStats:
+def trace_stats(
+    arrays: AccessArrays, capacities: tuple[float, ...] = DEFAULT_CAPACITIES
+) -> TraceStats:
     n = arrays.num_accesses
     nxt = next_access_index(arrays.block_ids)
     has_next = nxt < n

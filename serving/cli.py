@@ -16,7 +16,10 @@ import click
 
 # name -> ("module:attribute", one-line help shown by ``kvwarm --help``)
 COMMANDS: dict[str, tuple[str, str]] = {
-    "generate": ("features.generator_cli:generate", "Write a synthetic serving trace (Mooncake JSONL)."),
+    "generate": (
+        "features.generator_cli:generate",
+        "Write a synthetic serving trace (Mooncake JSONL).",
+    ),
     "stats": ("features.stats_cli:stats", "Print a trace's statistics and LRU/Belady hit ratios."),
     "bench": ("serving.bench_cli:bench", "Run benchmarks (ratios against same-process baselines)."),
 }
