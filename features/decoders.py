@@ -257,7 +257,8 @@ def decode_kv_event_batch(payload: bytes, engine_id: str = "") -> list[Residency
         raise EventValidationError(
             "<batch>", f"expected [ts, events, dp_rank], got {batch!r:.60}", "bad_shape"
         )
-    if isinstance(ts, bool) or not isinstance(ts, (int, float)) or ts < 0:
+    # NaN and infinity pass a plain ``< 0`` check and then break the conversion to ms.
+    if isinstance(ts, bool) or not isinstance(ts, (int, float)) or not 0 <= ts < 1e15:
         raise EventValidationError(
             "ts", f"expected a non-negative number of seconds, got {ts!r}", "bad_type"
         )
