@@ -1,0 +1,763 @@
+"""Kafka at the edge of the sidecar: the only module of kvwarm that imports kafka-python.
+
+Primitives:
+
+- ``KafkaEventSource``: the ``EventSource`` contract (``serving.sources``) over a
+  consumer group. Offsets are committed in ``commit()`` and nowhere else (auto commit
+  is off), so delivery is at-least-once and a restarted consumer resumes from what was
+  committed. Payloads are decoded by ``features.decoders.decode_message``; a message
+  that fails goes, unchanged, to a dead-letter topic with headers naming the reason
+  and its source topic/partition/offset, and is counted.
+- ``KafkaDecisionSink``: decisions out, idempotent producer, key = block hash,
+  value = the decision as JSON.
+- ``KafkaEventProducer`` / ``produce_trace``: access events in, keyed by prefix root
+  (the first block hash) so a session's requests stay in one partition, in order.
+- ``ensure_topics``: create topics with chosen partition counts (admin client).
+- ``read_topic``: read a topic from the beginning without a group (dead letters).
+- ``KafkaSecurity``: SASL/TLS settings passed through to every client.
+
+Every client connects with bounded retries; when no broker answers,
+``KafkaUnavailableError`` names the address tried and what to check.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import Counter, deque
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal, Protocol, TypeVar
+
+import msgspec
+from kafka import KafkaAdminClient, KafkaConsumer, KafkaProducer
+from kafka.consumer.subscription_state import ConsumerRebalanceListener
+from kafka.errors import (
+    CommitFailedError,
+    KafkaError,
+    KafkaTimeoutError,
+    TopicAlreadyExistsError,
+)
+from kafka.structs import OffsetAndMetadata, TopicPartition
+from pydantic import Field, SecretStr
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from features.decoders import decode_message, read_trace
+from features.events import BlocksAccessed, Event, EventValidationError
+
+log = logging.getLogger(__name__)
+
+DLQ_SUFFIX = ".dlq"
+"""Default dead-letter topic of a source topic ``T``: ``T.dlq``."""
+
+# Header names on dead letters (values are UTF-8 bytes).
+HEADER_REASON = "kvwarm.dlq.reason"
+HEADER_ERROR = "kvwarm.dlq.error"
+HEADER_SOURCE_TOPIC = "kvwarm.dlq.source.topic"
+HEADER_SOURCE_PARTITION = "kvwarm.dlq.source.partition"
+HEADER_SOURCE_OFFSET = "kvwarm.dlq.source.offset"
+
+_T = TypeVar("_T")
+
+
+class KafkaUnavailableError(ConnectionError):
+    """No Kafka broker answered at the configured address (after bounded retries)."""
+
+
+class KafkaDeliveryError(RuntimeError):
+    """The broker did not acknowledge some produced records."""
+
+
+class KafkaSecurity(BaseSettings):
+    """SASL/TLS settings passed unchanged to every kafka-python client.
+
+    Read from ``KVWARM_KAFKA_*`` environment variables (for example
+    ``KVWARM_KAFKA_SECURITY_PROTOCOL=SASL_SSL``); the defaults talk plain text to a
+    local broker. Passwords are secrets: never printed, never logged.
+    """
+
+    model_config = SettingsConfigDict(env_prefix="KVWARM_KAFKA_", frozen=True, extra="ignore")
+
+    security_protocol: Literal["PLAINTEXT", "SSL", "SASL_PLAINTEXT", "SASL_SSL"] = Field(
+        default="PLAINTEXT", description="Listener protocol of the brokers."
+    )
+    sasl_mechanism: (
+        Literal["PLAIN", "SCRAM-SHA-256", "SCRAM-SHA-512", "OAUTHBEARER", "GSSAPI"] | None
+    ) = Field(default=None, description="SASL mechanism when the protocol is SASL_*.")
+    sasl_username: str | None = Field(default=None, description="SASL PLAIN/SCRAM user name.")
+    sasl_password: SecretStr | None = Field(default=None, description="SASL PLAIN/SCRAM password.")
+    ssl_cafile: Path | None = Field(
+        default=None, description="CA bundle that signed the brokers' certificates."
+    )
+    ssl_certfile: Path | None = Field(default=None, description="Client certificate (mutual TLS).")
+    ssl_keyfile: Path | None = Field(default=None, description="Client private key (mutual TLS).")
+    ssl_password: SecretStr | None = Field(default=None, description="Password of the client key.")
+    ssl_check_hostname: bool = Field(default=True, description="Verify the broker's host name.")
+
+    def client_config(self) -> dict[str, Any]:
+        """kafka-python keyword arguments for these settings."""
+        cfg: dict[str, Any] = {"security_protocol": self.security_protocol}
+        if self.security_protocol.startswith("SASL"):
+            if self.sasl_mechanism is None:
+                raise ValueError(
+                    f"security_protocol={self.security_protocol} needs KVWARM_KAFKA_SASL_MECHANISM "
+                    "(PLAIN, SCRAM-SHA-256, SCRAM-SHA-512, OAUTHBEARER or GSSAPI)"
+                )
+            cfg["sasl_mechanism"] = self.sasl_mechanism
+            if self.sasl_username is not None:
+                cfg["sasl_plain_username"] = self.sasl_username
+            if self.sasl_password is not None:
+                cfg["sasl_plain_password"] = self.sasl_password.get_secret_value()
+        if self.security_protocol in ("SSL", "SASL_SSL"):
+            cfg["ssl_check_hostname"] = self.ssl_check_hostname
+            for name in ("ssl_cafile", "ssl_certfile", "ssl_keyfile"):
+                value = getattr(self, name)
+                if value is not None:
+                    cfg[name] = str(value)
+            if self.ssl_password is not None:
+                cfg["ssl_password"] = self.ssl_password.get_secret_value()
+        return cfg
+
+
+@dataclass(frozen=True)
+class ConnectOptions:
+    """How clients reach the brokers. Retries are bounded: ``attempts`` tries of
+    ``attempt_timeout_ms`` each, ``backoff_s`` (doubling) between them."""
+
+    attempts: int = 3
+    attempt_timeout_ms: int = 5_000
+    backoff_s: float = 0.5
+    # Reconnect quickly after a broker restart (kafka-python's default cap is 30 s).
+    reconnect_backoff_max_ms: int = 1_000
+
+
+def _client_config(
+    bootstrap: str, security: KafkaSecurity | None, options: ConnectOptions, client_id: str
+) -> dict[str, Any]:
+    return {
+        "bootstrap_servers": bootstrap.split(","),
+        "client_id": client_id,
+        "bootstrap_timeout_ms": options.attempt_timeout_ms,
+        "reconnect_backoff_ms": 50,
+        "reconnect_backoff_max_ms": options.reconnect_backoff_max_ms,
+        **(security or KafkaSecurity()).client_config(),
+    }
+
+
+def _connect(what: str, bootstrap: str, options: ConnectOptions, factory: Callable[[], _T]) -> _T:
+    """Build a client, retrying a bounded number of times while no broker answers."""
+    delay_s = options.backoff_s
+    for attempt in range(1, options.attempts + 1):
+        try:
+            return factory()
+        except KafkaTimeoutError as exc:
+            if attempt == options.attempts:
+                total_s = options.attempts * options.attempt_timeout_ms / 1000
+                raise KafkaUnavailableError(
+                    f"no Kafka broker answered at {bootstrap} for the {what} after {attempt} tries "
+                    f"(~{total_s:.0f} s; last error: {exc}). Check that a broker is running there "
+                    "(`kvwarm kafka status`, or `kvwarm kafka up` for a local one), that the host "
+                    "and port are right (KVWARM_KAFKA_BOOTSTRAP), and that the security settings "
+                    "(KVWARM_KAFKA_SECURITY_PROTOCOL, SASL/SSL) match the broker's listener."
+                ) from exc
+            log.warning(
+                "%s: no broker at %s (try %d/%d): %s",
+                what,
+                bootstrap,
+                attempt,
+                options.attempts,
+                exc,
+            )
+            time.sleep(delay_s)
+            delay_s *= 2
+    raise AssertionError("unreachable")
+
+
+# --- topics ---------------------------------------------------------------------------------
+
+
+def ensure_topics(
+    bootstrap: str,
+    topics: Mapping[str, int],
+    *,
+    replication_factor: int = 1,
+    security: KafkaSecurity | None = None,
+    options: ConnectOptions = ConnectOptions(),
+) -> list[str]:
+    """Create each missing topic with its partition count; returns the names created.
+
+    Existing topics are left as they are (a warning if they have fewer partitions than
+    asked: Kafka can add partitions but that moves keys, so kvwarm never does it).
+    """
+    cfg = _client_config(bootstrap, security, options, "kvwarm-admin")
+    admin = _connect("admin client", bootstrap, options, lambda: KafkaAdminClient(**cfg))
+    try:
+        existing = {t["topic"] if "topic" in t else t["name"]: t for t in admin.describe_topics()}
+        missing = {name: n for name, n in topics.items() if name not in existing}
+        for name, want in topics.items():
+            if name in existing:
+                have = len(existing[name].get("partitions") or [])
+                if have < want:
+                    log.warning(
+                        "topic %s exists with %d partitions (< %d asked); left as is",
+                        name,
+                        have,
+                        want,
+                    )
+        created: list[str] = []
+        for name, partitions in missing.items():
+            try:
+                admin.create_topics(
+                    {
+                        name: {
+                            "num_partitions": partitions,
+                            "replication_factor": replication_factor,
+                        }
+                    },
+                    wait_for_metadata=True,
+                )
+                created.append(name)
+            except TopicAlreadyExistsError:
+                pass  # created concurrently by another client
+        return created
+    finally:
+        admin.close()
+
+
+def topic_partitions(
+    bootstrap: str,
+    topic: str,
+    *,
+    security: KafkaSecurity | None = None,
+    options: ConnectOptions = ConnectOptions(),
+) -> int:
+    """Number of partitions of ``topic`` (0 if it does not exist)."""
+    cfg = _client_config(bootstrap, security, options, "kvwarm-admin")
+    admin = _connect("admin client", bootstrap, options, lambda: KafkaAdminClient(**cfg))
+    try:
+        for t in admin.describe_topics([topic]):
+            if t.get("error_code", 0) == 0:
+                return len(t.get("partitions") or [])
+        return 0
+    finally:
+        admin.close()
+
+
+# --- the event source ----------------------------------------------------------------------
+
+
+@dataclass(slots=True)
+class _Fetched:
+    """One fetched message and how many of its events have been handed out."""
+
+    tp: TopicPartition
+    offset: int
+    events: list[Event]
+    num_handed_out: int = 0
+
+
+class _RebalanceListener(ConsumerRebalanceListener):  # type: ignore[misc]
+    def __init__(self, source: KafkaEventSource) -> None:
+        self.source = source
+
+    def on_partitions_revoked(self, revoked: Any) -> None:
+        self.source._forget(set(revoked))
+
+    def on_partitions_assigned(self, assigned: Any) -> None:
+        log.info("assigned partitions: %s", sorted((tp.topic, tp.partition) for tp in assigned))
+
+
+class KafkaEventSource:
+    """Access and residency events from Kafka topics, as a consumer group member.
+
+    When each method is called (the sidecar loop):
+
+    - ``poll(max_events, timeout_ms)``: fetch, decode, dead-letter what fails, return up
+      to ``max_events`` events. A message holding several events (a JSON list, a
+      ``KVEventBatch``) may be split across polls; its offset becomes committable only
+      once all of its events have been handed out.
+    - ``commit()``: after the loop emitted the decisions for everything polled so far.
+      Waits for dead letters to be acknowledged, then commits the next offset of every
+      fully handed-out message, synchronously. A commit lost to a rebalance only means
+      those events are delivered again (to whoever owns the partition).
+    - ``close()``: without committing.
+
+    Events without a ``request_id`` of their own (Mooncake rows) get
+    ``"<topic>/<partition>/<offset>"``, so a redelivered event has the same id.
+    """
+
+    def __init__(
+        self,
+        bootstrap: str,
+        topics: str | Sequence[str],
+        *,
+        group_id: str = "kvwarm",
+        dead_letter_topic: str | None = None,
+        client_id: str = "kvwarm-source",
+        auto_offset_reset: Literal["earliest", "latest"] = "earliest",
+        session_timeout_ms: int = 10_000,
+        fetch_max_wait_ms: int = 100,
+        security: KafkaSecurity | None = None,
+        options: ConnectOptions = ConnectOptions(),
+    ) -> None:
+        self.topics = [topics] if isinstance(topics, str) else list(topics)
+        if not self.topics:
+            raise ValueError("KafkaEventSource needs at least one topic")
+        self.bootstrap = bootstrap
+        self.group_id = group_id
+        self.dead_letter_topic = dead_letter_topic or self.topics[0] + DLQ_SUFFIX
+        base = _client_config(bootstrap, security, options, client_id)
+        consumer_cfg = {
+            **base,
+            "group_id": group_id,
+            "enable_auto_commit": False,
+            "auto_offset_reset": auto_offset_reset,
+            "session_timeout_ms": session_timeout_ms,
+            "heartbeat_interval_ms": max(100, session_timeout_ms // 4),
+            "fetch_max_wait_ms": fetch_max_wait_ms,
+        }
+        self._consumer: KafkaConsumer = _connect(
+            "event consumer", bootstrap, options, lambda: KafkaConsumer(**consumer_cfg)
+        )
+        self._consumer.subscribe(self.topics, listener=_RebalanceListener(self))
+        producer_cfg = {
+            **base,
+            "client_id": client_id + "-dlq",
+            "enable_idempotence": True,
+            "acks": "all",
+        }
+        self._dlq_config = producer_cfg
+        self._dlq_options = options
+        self._dlq: KafkaProducer | None = None  # created on the first dead letter
+        self._dlq_errors: list[BaseException] = []
+        self._pending: deque[_Fetched] = deque()
+        self._committable: dict[TopicPartition, int] = {}
+        self._committed: dict[TopicPartition, int] = {}
+        self._closed = False
+        self.num_messages = 0
+        self.num_events = 0
+        self.num_dead_letters = 0
+        self.dead_letters_by_reason: Counter[str] = Counter()
+        self.num_commits = 0
+        self.num_commit_failures = 0
+
+    @property
+    def exhausted(self) -> bool:
+        """A topic never ends: more can always come."""
+        return False
+
+    def poll(self, max_events: int, timeout_ms: int = 100) -> list[Event]:
+        if max_events < 1:
+            raise ValueError(f"max_events must be >= 1, got {max_events}")
+        if not any(m.num_handed_out < len(m.events) for m in self._pending):
+            batch = self._consumer.poll(timeout_ms=timeout_ms, max_records=max_events)
+            for records in batch.values():
+                for record in records:
+                    self._pending.append(self._decode(record))
+        out: list[Event] = []
+        while self._pending and len(out) < max_events:
+            head = self._pending[0]
+            take = head.events[head.num_handed_out : head.num_handed_out + max_events - len(out)]
+            out.extend(take)
+            head.num_handed_out += len(take)
+            if head.num_handed_out == len(head.events):
+                self._committable[head.tp] = head.offset + 1
+                self._pending.popleft()
+        # Dead-lettered messages right behind the last one handed out are done too.
+        while self._pending and not self._pending[0].events:
+            done = self._pending.popleft()
+            self._committable[done.tp] = done.offset + 1
+        self.num_events += len(out)
+        return out
+
+    def _decode(self, record: Any) -> _Fetched:
+        self.num_messages += 1
+        tp = TopicPartition(record.topic, record.partition)
+        request_id = f"{record.topic}/{record.partition}/{record.offset}"
+        events: list[Event] = []
+        try:
+            if record.value is None:
+                raise EventValidationError("<value>", "message has no value (tombstone)", "empty")
+            events = decode_message(record.value, request_id=request_id)
+        except EventValidationError as exc:
+            self._dead_letter(record, exc.reason, str(exc))
+        except Exception as exc:  # a decoder bug must not stop the stream either
+            log.exception("unexpected error decoding %s", request_id)
+            self._dead_letter(record, "decoder_error", f"{type(exc).__name__}: {exc}")
+        return _Fetched(tp, record.offset, events)
+
+    def _dead_letter(self, record: Any, reason: str, error: str) -> None:
+        self.num_dead_letters += 1
+        self.dead_letters_by_reason[reason] += 1
+        if self._dlq is None:
+            cfg = self._dlq_config
+            self._dlq = _connect(
+                "dead-letter producer",
+                self.bootstrap,
+                self._dlq_options,
+                lambda: KafkaProducer(**cfg),
+            )
+        headers = [
+            *(record.headers or []),
+            (HEADER_REASON, reason.encode()),
+            (HEADER_ERROR, error[:500].encode()),
+            (HEADER_SOURCE_TOPIC, record.topic.encode()),
+            (HEADER_SOURCE_PARTITION, str(record.partition).encode()),
+            (HEADER_SOURCE_OFFSET, str(record.offset).encode()),
+        ]
+        future = self._dlq.send(
+            self.dead_letter_topic, key=record.key, value=record.value, headers=headers
+        )
+        future.add_errback(self._dlq_errors.append)
+        log.debug("dead letter %s/%d/%d: %s", record.topic, record.partition, record.offset, reason)
+
+    def _forget(self, revoked: set[TopicPartition]) -> None:
+        """Partitions taken away in a rebalance: drop what was fetched but not committed;
+        the new owner starts from the committed offset."""
+        self._pending = deque(m for m in self._pending if m.tp not in revoked)
+        for tp in revoked:
+            self._committable.pop(tp, None)
+            self._committed.pop(tp, None)
+
+    def commit(self) -> None:
+        if self._dlq is not None:
+            self._dlq.flush()
+            if self._dlq_errors:
+                errors, self._dlq_errors = self._dlq_errors, []
+                # Not committing: the failed messages will be read (and dead-lettered) again.
+                raise KafkaDeliveryError(
+                    f"{len(errors)} dead letters were not acknowledged by {self.bootstrap} "
+                    f"(topic {self.dead_letter_topic}); first error: {errors[0]}"
+                )
+        offsets = {
+            tp: OffsetAndMetadata(offset, "", -1)
+            for tp, offset in self._committable.items()
+            if self._committed.get(tp) != offset
+        }
+        if not offsets:
+            return
+        try:
+            self._consumer.commit(offsets)
+        except CommitFailedError as exc:
+            self.num_commit_failures += 1
+            log.warning("commit lost to a rebalance; those events will be delivered again: %s", exc)
+            return
+        self.num_commits += 1
+        for tp, meta in offsets.items():
+            self._committed[tp] = meta.offset
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        if self._dlq is not None:
+            self._dlq.close(timeout=10)
+        self._consumer.close(autocommit=False)
+
+    def stats(self) -> dict[str, Any]:
+        return {
+            "messages": self.num_messages,
+            "events": self.num_events,
+            "dead_letters": self.num_dead_letters,
+            "dead_letters_by_reason": dict(self.dead_letters_by_reason),
+            "commits": self.num_commits,
+            "commit_failures": self.num_commit_failures,
+        }
+
+    def __enter__(self) -> KafkaEventSource:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+# --- producers ------------------------------------------------------------------------------
+
+
+class _Producer:
+    """An idempotent producer (acks=all) that remembers delivery failures until ``flush``."""
+
+    def __init__(
+        self,
+        what: str,
+        bootstrap: str,
+        topic: str,
+        *,
+        client_id: str,
+        linger_ms: int,
+        security: KafkaSecurity | None,
+        options: ConnectOptions,
+    ) -> None:
+        self.bootstrap = bootstrap
+        self.topic = topic
+        cfg = {
+            **_client_config(bootstrap, security, options, client_id),
+            "enable_idempotence": True,
+            "acks": "all",
+            "linger_ms": linger_ms,
+        }
+        self._producer: KafkaProducer = _connect(
+            what, bootstrap, options, lambda: KafkaProducer(**cfg)
+        )
+        self._errors: list[BaseException] = []
+        self._closed = False
+        self.num_sent = 0
+
+    def _send(self, key: bytes | None, value: bytes) -> None:
+        future = self._producer.send(self.topic, key=key, value=value)
+        future.add_errback(self._errors.append)
+        self.num_sent += 1
+
+    def flush(self, timeout_s: float | None = None) -> None:
+        """Block until every record sent so far is acknowledged; raise if any failed."""
+        self._producer.flush(timeout=timeout_s)
+        if self._errors:
+            errors, self._errors = self._errors, []
+            raise KafkaDeliveryError(
+                f"{len(errors)} records to topic {self.topic} at {self.bootstrap} were not "
+                f"acknowledged; first error: {errors[0]}"
+            )
+
+    def close(self, timeout_s: float = 30) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            self.flush(timeout_s)
+        finally:
+            self._producer.close(timeout=timeout_s)
+
+
+class SupportsToDict(Protocol):
+    def to_dict(self) -> Mapping[str, Any]: ...
+
+
+class KafkaDecisionSink(_Producer):
+    """Decisions to a Kafka topic: key = block hash (decimal), value = decision JSON.
+
+    Accepts dicts or objects with ``to_dict()``. ``emit`` only queues; ``flush`` is
+    where a lost record surfaces, so the loop calls it before ``source.commit()``.
+    """
+
+    def __init__(
+        self,
+        bootstrap: str,
+        topic: str,
+        *,
+        client_id: str = "kvwarm-decisions",
+        linger_ms: int = 5,
+        security: KafkaSecurity | None = None,
+        options: ConnectOptions = ConnectOptions(),
+    ) -> None:
+        super().__init__(
+            "decision producer", bootstrap, topic,
+            client_id=client_id, linger_ms=linger_ms, security=security, options=options,
+        )  # fmt: skip
+
+    def emit(self, decisions: Iterable[Mapping[str, Any] | SupportsToDict]) -> int:
+        """Queue decisions for sending; returns how many."""
+        count = 0
+        for decision in decisions:
+            record = decision if isinstance(decision, Mapping) else decision.to_dict()
+            block_hash = record.get("block_hash")
+            if block_hash is None:
+                raise ValueError(
+                    f"a decision needs a block_hash to key it by, got {dict(record)!r:.200}"
+                )
+            self._send(str(block_hash).encode(), msgspec.json.encode(record))
+            count += 1
+        return count
+
+    def __enter__(self) -> KafkaDecisionSink:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def prefix_root_key(event: BlocksAccessed) -> bytes:
+    """The partition key of an access event: its first block hash (the prefix root), so
+    every turn of a conversation lands in the same partition, in order."""
+    if event.block_hashes:
+        return str(event.block_hashes[0]).encode()
+    return event.request_id.encode()
+
+
+class KafkaEventProducer(_Producer):
+    """Access events to a topic as canonical JSON, keyed by prefix root."""
+
+    def __init__(
+        self,
+        bootstrap: str,
+        topic: str,
+        *,
+        client_id: str = "kvwarm-events",
+        linger_ms: int = 5,
+        security: KafkaSecurity | None = None,
+        options: ConnectOptions = ConnectOptions(),
+    ) -> None:
+        super().__init__(
+            "event producer", bootstrap, topic,
+            client_id=client_id, linger_ms=linger_ms, security=security, options=options,
+        )  # fmt: skip
+
+    def send_event(self, event: BlocksAccessed) -> None:
+        self._send(prefix_root_key(event), msgspec.json.encode(event.to_dict()))
+
+    def send_raw(self, value: bytes, key: bytes | None = None) -> None:
+        """Any payload, unvalidated (a vLLM KVEventBatch, or test input)."""
+        self._send(key, value)
+
+    def __enter__(self) -> KafkaEventProducer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+@dataclass(frozen=True)
+class ProduceReport:
+    num_events: int
+    num_block_accesses: int
+    num_rejected_rows: int
+    elapsed_s: float
+
+    @property
+    def events_per_s(self) -> float:
+        return self.num_events / self.elapsed_s if self.elapsed_s > 0 else 0.0
+
+
+def pacing_delay_s(
+    index: int,
+    ts_ms: int,
+    first_ts_ms: int,
+    elapsed_s: float,
+    *,
+    speed: float | None,
+    max_rate_per_s: float | None,
+) -> float:
+    """How long to wait before sending event ``index`` (0 = send now).
+
+    ``speed``: replay trace time scaled (1.0 = real time, 10 = ten times faster);
+    ``max_rate_per_s``: at most that many events per second; neither: no waiting.
+    """
+    if speed is not None:
+        due_s = (ts_ms - first_ts_ms) / 1000 / speed
+    elif max_rate_per_s is not None:
+        due_s = index / max_rate_per_s
+    else:
+        return 0.0
+    return max(0.0, due_s - elapsed_s)
+
+
+def produce_trace(
+    path: str | Path,
+    bootstrap: str,
+    topic: str,
+    *,
+    speed: float | None = None,
+    max_rate_per_s: float | None = None,
+    fmt: str = "auto",
+    limit: int | None = None,
+    progress: bool = True,
+    security: KafkaSecurity | None = None,
+    options: ConnectOptions = ConnectOptions(),
+) -> ProduceReport:
+    """Replay a trace file into ``topic``: real time (``speed=1``), scaled (``speed=X``),
+    capped (``max_rate_per_s=N``) or as fast as possible (neither). Rows the decoders
+    reject are counted and skipped, as in every file source."""
+    from tqdm import tqdm
+
+    from features.decoders import RejectLog
+
+    if speed is not None and max_rate_per_s is not None:
+        raise ValueError("give either speed or max_rate_per_s, not both")
+    if speed is not None and speed <= 0:
+        raise ValueError(f"speed must be > 0, got {speed}")
+    if max_rate_per_s is not None and max_rate_per_s <= 0:
+        raise ValueError(f"max_rate_per_s must be > 0, got {max_rate_per_s}")
+    rejects = RejectLog()
+    num_events = num_blocks = 0
+    first_ts_ms: int | None = None
+    with KafkaEventProducer(bootstrap, topic, security=security, options=options) as producer:
+        started = time.monotonic()
+        bar = tqdm(total=limit, unit="ev", desc=f"produce {topic}", disable=not progress)
+        for event in read_trace(path, fmt=fmt, rejects=rejects):
+            if limit is not None and num_events >= limit:
+                break
+            if first_ts_ms is None:
+                first_ts_ms = event.ts_ms
+            wait_s = pacing_delay_s(
+                num_events, event.ts_ms, first_ts_ms, time.monotonic() - started,
+                speed=speed, max_rate_per_s=max_rate_per_s,
+            )  # fmt: skip
+            if wait_s > 0.001:
+                time.sleep(wait_s)
+            producer.send_event(event)
+            num_events += 1
+            num_blocks += len(event.block_hashes)
+            bar.update(1)
+        producer.flush()
+        bar.close()
+        elapsed_s = time.monotonic() - started
+    return ProduceReport(num_events, num_blocks, rejects.total, elapsed_s)
+
+
+# --- reading a topic without a group ------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class RawRecord:
+    topic: str
+    partition: int
+    offset: int
+    key: bytes | None
+    value: bytes | None
+    headers: dict[str, bytes]
+    timestamp_ms: int
+
+
+def read_topic(
+    bootstrap: str,
+    topic: str,
+    *,
+    timeout_s: float = 30,
+    security: KafkaSecurity | None = None,
+    options: ConnectOptions = ConnectOptions(),
+) -> list[RawRecord]:
+    """Every record in ``topic`` now (beginning to the current end of each partition),
+    read without joining a group: for inspecting dead letters and for tests."""
+    cfg = {**_client_config(bootstrap, security, options, "kvwarm-reader"), "group_id": None}
+    consumer = _connect("topic reader", bootstrap, options, lambda: KafkaConsumer(**cfg))
+    try:
+        partitions = consumer.partitions_for_topic(topic) or set()
+        tps = [TopicPartition(topic, p) for p in sorted(partitions)]
+        if not tps:
+            return []
+        consumer.assign(tps)
+        consumer.seek_to_beginning(*tps)
+        end = consumer.end_offsets(tps)
+        out: list[RawRecord] = []
+        deadline = time.monotonic() + timeout_s
+        while any(consumer.position(tp) < end[tp] for tp in tps):
+            if time.monotonic() > deadline:
+                raise KafkaError(
+                    f"reading {topic} at {bootstrap} did not reach its end in {timeout_s} s"
+                )
+            for records in consumer.poll(timeout_ms=200).values():
+                out.extend(
+                    RawRecord(
+                        r.topic,
+                        r.partition,
+                        r.offset,
+                        r.key,
+                        r.value,
+                        dict(r.headers or []),
+                        r.timestamp,
+                    )  # fmt: skip
+                    for r in records
+                )
+        return out
+    finally:
+        consumer.close(autocommit=False)
