@@ -1,0 +1,196 @@
+"""The sidecar loop, clock-agnostic: the same code serves live and replays traces.
+
+Per event, in order:
+
+1. ``policy.observe(event)``: the online feature state learns the access (or, for
+   engine residency events, where a block now sits).
+2. For a request arrival (``BlocksAccessed``): ``planner.on_request`` pins and
+   promotes the request's blocks and makes room, scoring candidates with the policy.
+3. Every ``prefetch_interval_ms`` of event time: ``planner.prefetch`` over the
+   candidate set (blocks of recent requests that sit below the fastest tier).
+4. Moves go to the ``on_moves`` hooks (executor, decision sink, replay accounting).
+
+Candidate generation is bounded: only blocks of the last ``recent_requests`` requests
+are prefetch candidates (a ring of chains), and eviction scores a fixed-size sample
+of residents; nothing scales with the number of blocks ever seen.
+
+``run(source, ...)`` drives the loop from an ``EventSource`` with at-least-once
+semantics: the source's ``commit()`` is called only after the moves of every event
+polled so far have been handed to the hooks.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from features.events import AllBlocksCleared, BlockRemoved, BlocksAccessed, BlockStored, Event
+from predictor.base import Policy
+from serving.placement import Placement
+from serving.planner import Move, Planner
+from serving.sources import EventSource
+
+log = logging.getLogger(__name__)
+
+MovesHook = Callable[[BlocksAccessed | None, list[Move], int], None]
+"""Called with (the triggering request or None for a prefetch round, moves, now_ms)."""
+
+
+@dataclass
+class LoopStats:
+    events: int = 0
+    requests: int = 0
+    block_accesses: int = 0
+    moves_by_kind: dict[str, int] = field(default_factory=dict)
+    score_calls: int = 0
+    score_seconds: float = 0.0
+
+
+class Sidecar:
+    def __init__(
+        self,
+        policy: Policy,
+        planner: Planner,
+        placement: Placement,
+        *,
+        prefetch_interval_ms: int = 1_000,
+        recent_requests: int = 64,
+        prefetch: bool = True,
+    ) -> None:
+        if getattr(policy, "needs_future", False) and not getattr(policy, "replay_only_ok", False):
+            # The oracle reads the future: only a replay may run it, and it says so by
+            # setting replay_only_ok on the instance.
+            raise ValueError(
+                f"policy {policy.name!r} needs future knowledge; it can only run in a replay"
+            )
+        self.policy = policy
+        self.planner = planner
+        self.placement = placement
+        self.prefetch_enabled = prefetch and placement.num_tiers > 1
+        self.prefetch_interval_ms = prefetch_interval_ms
+        self.recent: deque[tuple[int, ...]] = deque(maxlen=recent_requests)
+        self.hooks: list[MovesHook] = []
+        self.stats = LoopStats()
+        self._last_prefetch_ms: int | None = None
+        self._lock = threading.Lock()  # policy hot-swap vs the loop
+
+    # -- the per-event step ---------------------------------------------------------
+
+    def score(self, block_hashes: np.ndarray, now_ms: int) -> np.ndarray:
+        t0 = time.perf_counter()
+        out = self.policy.score(block_hashes, now_ms)
+        self.stats.score_calls += 1
+        self.stats.score_seconds += time.perf_counter() - t0
+        return out
+
+    def handle(self, event: Event, now_ms: int | None = None) -> list[Move]:
+        """Process one event; returns the moves it caused (already given to hooks)."""
+        now = event.ts_ms if now_ms is None else now_ms
+        with self._lock:
+            self.policy.observe(event)
+            self.stats.events += 1
+            moves: list[Move] = []
+            if isinstance(event, BlocksAccessed):
+                self.stats.requests += 1
+                self.stats.block_accesses += len(event.block_hashes)
+                blocks = list(dict.fromkeys(event.block_hashes))
+                moves = self.planner.on_request(self.placement, blocks, self.score, now)
+                self.recent.append(event.block_hashes)
+                self._emit(event, moves, now)
+            else:
+                self._mirror_residency(event)
+            self.maybe_prefetch(now)
+        return moves
+
+    def maybe_prefetch(self, now_ms: int) -> list[Move]:
+        if not self.prefetch_enabled:
+            return []
+        if (
+            self._last_prefetch_ms is not None
+            and now_ms - self._last_prefetch_ms < self.prefetch_interval_ms
+        ):
+            return []
+        self._last_prefetch_ms = now_ms
+        candidates = list(dict.fromkeys(b for chain in self.recent for b in chain))
+        moves = self.planner.prefetch(self.placement, candidates, self.score, now_ms)
+        if moves:
+            self._emit(None, moves, now_ms)
+        return moves
+
+    def _emit(self, event: BlocksAccessed | None, moves: list[Move], now_ms: int) -> None:
+        counts = self.stats.moves_by_kind
+        for m in moves:
+            counts[m.kind] = counts.get(m.kind, 0) + 1
+        for hook in self.hooks:
+            hook(event, moves, now_ms)
+
+    def _mirror_residency(self, event: Event) -> None:
+        """Engine residency events keep the placement mirror true to what engines hold."""
+        names = self.placement.tier_names
+        if isinstance(event, BlockStored):
+            tier_name = event.tier.value
+            if tier_name in names:
+                tier = names.index(tier_name)
+                for block in event.block_hashes:
+                    if self.placement.tier_of(block) != tier:
+                        self.placement.move(block, tier, event.ts_ms)
+        elif isinstance(event, BlockRemoved):
+            tier_name = event.tier.value
+            for block in event.block_hashes:
+                current = self.placement.tier_of(block)
+                if current >= 0 and names[current] == tier_name:
+                    self.placement.remove(block)
+        elif isinstance(event, AllBlocksCleared):
+            for tier in range(self.placement.num_tiers):
+                for block in list(self.placement.members(tier)):
+                    self.placement.remove(block)
+
+    def swap_policy(self, policy: Policy) -> None:
+        """Hot-swap the scorer between two events, without dropping any. A policy that
+        can ``adopt_state`` takes over the online feature state of the one it replaces,
+        so it scores with the full history rather than from a cold start."""
+        with self._lock:
+            if hasattr(policy, "adopt_state") and hasattr(self.policy, "state"):
+                policy.adopt_state(self.policy.state)
+            self.policy = policy
+
+    # -- driving from a source --------------------------------------------------------
+
+    def run(
+        self,
+        source: EventSource,
+        *,
+        clock: Callable[[], int] | None = None,
+        stop: threading.Event | None = None,
+        batch_size: int = 1024,
+        poll_timeout_ms: int = 200,
+        flush: Callable[[], None] | None = None,
+        max_events: int | None = None,
+    ) -> LoopStats:
+        """Consume ``source`` until it is exhausted, ``stop`` is set or ``max_events``.
+
+        ``clock`` gives now in ms (wall clock when serving); None uses event time.
+        ``flush`` is called before each commit so sinks have delivered the moves.
+        """
+        stop = stop or threading.Event()
+        handled = 0
+        while not stop.is_set():
+            events = source.poll(batch_size, poll_timeout_ms)
+            for event in events:
+                self.handle(event, clock() if clock else None)
+            handled += len(events)
+            if events:
+                if flush is not None:
+                    flush()
+                source.commit()
+            elif clock is not None:
+                self.maybe_prefetch(clock())
+            if source.exhausted or (max_events is not None and handled >= max_events):
+                break
+        return self.stats

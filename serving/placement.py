@@ -1,0 +1,97 @@
+"""Where each block sits: the planner's view of the tiers.
+
+``Placement`` maps block hash -> tier index (0 = fastest) and keeps, per tier, a dense
+member list so that uniform sampling of a tier's residents is O(1) (the planner's
+eviction sample) and add/remove are O(1) (swap-remove). It is the executor's state in
+replay, and a mirror of the executor's index when serving.
+
+Invariant: a block is in at most one tier; ``count(t) == len(members of t)``.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+NOWHERE = -1
+
+
+class Placement:
+    def __init__(self, tier_names: list[str], capacities_blocks: list[int]) -> None:
+        if len(tier_names) != len(capacities_blocks) or not tier_names:
+            raise ValueError("need one capacity per tier, and at least one tier")
+        self.tier_names = list(tier_names)
+        self.capacities = [int(c) for c in capacities_blocks]
+        self._tier: dict[int, int] = {}
+        self._members: list[list[int]] = [[] for _ in tier_names]
+        self._pos: list[dict[int, int]] = [{} for _ in tier_names]
+        self.moved_at_ms: dict[int, int] = {}
+
+    @property
+    def num_tiers(self) -> int:
+        return len(self.tier_names)
+
+    def tier_of(self, block: int) -> int:
+        return self._tier.get(block, NOWHERE)
+
+    def tiers_of(self, blocks: list[int]) -> list[int]:
+        get = self._tier.get
+        return [get(b, NOWHERE) for b in blocks]
+
+    def count(self, tier: int) -> int:
+        return len(self._members[tier])
+
+    def overflow(self, tier: int) -> int:
+        return len(self._members[tier]) - self.capacities[tier]
+
+    def add(self, block: int, tier: int, now_ms: int = 0) -> None:
+        if block in self._tier:
+            raise ValueError(
+                f"block {block} is already in tier {self.tier_names[self._tier[block]]}"
+            )
+        members = self._members[tier]
+        self._pos[tier][block] = len(members)
+        members.append(block)
+        self._tier[block] = tier
+        self.moved_at_ms[block] = now_ms
+
+    def remove(self, block: int) -> int:
+        """Drop ``block`` from wherever it is; returns its former tier (or NOWHERE)."""
+        tier = self._tier.pop(block, NOWHERE)
+        if tier == NOWHERE:
+            return tier
+        members, pos = self._members[tier], self._pos[tier]
+        i = pos.pop(block)
+        last = members.pop()
+        if last != block:
+            members[i] = last
+            pos[last] = i
+        self.moved_at_ms.pop(block, None)
+        return tier
+
+    def move(self, block: int, tier: int, now_ms: int = 0) -> None:
+        self.remove(block)
+        self.add(block, tier, now_ms)
+
+    def members(self, tier: int) -> list[int]:
+        """The residents of ``tier`` (a live list: copy before mutating placement)."""
+        return self._members[tier]
+
+    def sample(
+        self, tier: int, k: int, rng: np.random.Generator, exclude: set[int] | None = None
+    ) -> list[int]:
+        """Up to ``k`` distinct residents of ``tier``, uniformly, without ``exclude``."""
+        members = self._members[tier]
+        n = len(members)
+        if n == 0 or k <= 0:
+            return []
+        if n <= k:
+            picked = list(members)
+        else:
+            idx = rng.integers(0, n, size=k)
+            picked = list(dict.fromkeys(members[i] for i in idx.tolist()))
+        if exclude:
+            picked = [b for b in picked if b not in exclude]
+        return picked
+
+    def __len__(self) -> int:
+        return len(self._tier)

@@ -1,0 +1,202 @@
+"""The planner: scores + placements + tier capacities + budgets -> moves.
+
+One planner for every policy: LRU, LFU, LightGBM, LSTM and the oracle differ only in
+the scores they return (higher = needed sooner). The planner never looks inside a
+policy.
+
+When it acts:
+
+- ``on_request(placement, blocks, score, now_ms)``: a request arrived that will read
+  ``blocks`` (prefix order). Its blocks are pinned: those in a lower tier are promoted
+  to the fastest tier now, ahead of prefill (the prewarming window between arrival and
+  scheduling); those found nowhere will be computed and stored in the fastest tier.
+  Then each over-full tier makes room.
+- ``prefetch(placement, candidates, score, now_ms)``: speculative promotion of blocks
+  no request has asked for yet, when they outscore the fastest tier's weakest
+  residents; bounded by a per-round budget (bandwidth) and hysteresis.
+
+Making room (``_make_room``): sample ``eviction_sample`` residents of the tier (not
+pinned), score them together with the blocks just stored, and move the lowest-scored
+down one tier (or out, from the last tier). A just-stored block that loses is the
+admission veto: it is not kept in that tier (``bypass``). Demoted blocks may overflow
+the next tier, which makes room the same way. Sampled eviction is what LRB and Redis
+use; it keeps the cost per request independent of the cache size.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+from pydantic import BaseModel, ConfigDict, Field
+
+from serving.placement import NOWHERE, Placement
+
+ScoreFn = Callable[[np.ndarray, int], np.ndarray]
+"""(block hashes as uint64, now_ms) -> float scores, higher = keep / needed sooner."""
+
+
+class PlannerParams(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    eviction_sample: int = Field(
+        64, ge=1, le=4096, description="Residents sampled per eviction round."
+    )
+    admission: bool = Field(
+        True,
+        description="Veto keeping a just-computed block in a tier when it scores below every sampled resident.",
+    )
+    prefetch_budget_blocks: int = Field(
+        64,
+        ge=0,
+        description="Most speculative promotions per prefetch round (the bandwidth budget).",
+    )
+    min_residency_ms: int = Field(
+        0,
+        ge=0,
+        description="Hysteresis: a block moved less than this long ago is not displaced by a speculative promotion.",
+    )
+    prefetch_margin: float = Field(
+        0.0, ge=0.0, description="A candidate must outscore the resident it displaces by this much."
+    )
+    seed: int = Field(0, description="Seed of the eviction sampler (replays repeat exactly).")
+
+
+@dataclass(frozen=True, slots=True)
+class Move:
+    """One placement change. ``from_tier``/``to_tier`` are tier indexes; NOWHERE (-1)
+    as ``from_tier`` means computed (not cached), as ``to_tier`` means dropped."""
+
+    block: int
+    from_tier: int
+    to_tier: int
+    score: float
+    kind: str  # "demand" | "store" | "prefetch" | "demote" | "evict" | "bypass"
+
+
+class Planner:
+    def __init__(self, params: PlannerParams | None = None) -> None:
+        self.params = params or PlannerParams()
+        self.rng = np.random.Generator(np.random.PCG64(self.params.seed))
+
+    def on_request(
+        self, placement: Placement, blocks: list[int], score: ScoreFn, now_ms: int
+    ) -> list[Move]:
+        moves: list[Move] = []
+        stored: list[int] = []
+        pinned = set(blocks)
+        for block, tier in zip(blocks, placement.tiers_of(blocks), strict=True):
+            if tier == 0:
+                continue
+            if tier == NOWHERE:
+                placement.add(block, 0, now_ms)
+                stored.append(block)
+                moves.append(Move(block, NOWHERE, 0, 0.0, "store"))
+            else:
+                placement.move(block, 0, now_ms)
+                moves.append(Move(block, tier, 0, 0.0, "demand"))
+        self._make_room(placement, 0, pinned, stored, score, now_ms, moves)
+        return moves
+
+    def prefetch(
+        self,
+        placement: Placement,
+        candidates: list[int],
+        score: ScoreFn,
+        now_ms: int,
+        target: int = 0,
+    ) -> list[Move]:
+        """Promote the best ``candidates`` sitting below ``target`` into ``target`` while
+        they outscore its weakest sampled residents."""
+        budget = self.params.prefetch_budget_blocks
+        if budget <= 0 or not candidates:
+            return []
+        lower = [
+            b for b, t in zip(candidates, placement.tiers_of(candidates), strict=True) if t > target
+        ]
+        if not lower:
+            return []
+        lower_scores = score(np.asarray(lower, dtype=np.uint64), now_ms)
+        order = np.argsort(-lower_scores, kind="stable")[:budget]
+        moves: list[Move] = []
+        free = placement.capacities[target] - placement.count(target)
+        # Residents that may be displaced: not recently moved (hysteresis).
+        hold = self.params.min_residency_ms
+        residents = placement.sample(target, self.params.eviction_sample + len(order), self.rng)
+        if hold:
+            residents = [b for b in residents if now_ms - placement.moved_at_ms.get(b, 0) >= hold]
+        res_scores = (
+            score(np.asarray(residents, dtype=np.uint64), now_ms) if residents else np.zeros(0)
+        )
+        res_order = list(np.argsort(res_scores, kind="stable"))
+        for i in order.tolist():
+            block, s = lower[i], float(lower_scores[i])
+            if free <= 0:
+                if not res_order:
+                    break
+                j = res_order[0]
+                if s <= float(res_scores[j]) + self.params.prefetch_margin:
+                    break  # candidates are in descending order: no later one wins either
+                res_order.pop(0)
+                victim = residents[j]
+                self._demote(placement, victim, target, float(res_scores[j]), now_ms, moves)
+                free += 1
+            src = placement.tier_of(block)
+            placement.move(block, target, now_ms)
+            moves.append(Move(block, src, target, s, "prefetch"))
+            free -= 1
+        # Demotions may have overflowed the tier below.
+        if target + 1 < placement.num_tiers:
+            self._make_room(placement, target + 1, set(), [], score, now_ms, moves)
+        return moves
+
+    def _demote(
+        self, placement: Placement, block: int, tier: int, s: float, now_ms: int, moves: list[Move]
+    ) -> None:
+        below = tier + 1
+        if below < placement.num_tiers:
+            placement.move(block, below, now_ms)
+            moves.append(Move(block, tier, below, s, "demote"))
+        else:
+            placement.remove(block)
+            moves.append(Move(block, tier, NOWHERE, s, "evict"))
+
+    def _make_room(
+        self,
+        placement: Placement,
+        tier: int,
+        pinned: set[int],
+        stored: list[int],
+        score: ScoreFn,
+        now_ms: int,
+        moves: list[Move],
+    ) -> None:
+        while tier < placement.num_tiers:
+            over = placement.overflow(tier)
+            if over <= 0:
+                return
+            sample = placement.sample(
+                tier, self.params.eviction_sample + over, self.rng, exclude=pinned
+            )
+            candidates = sample + stored if self.params.admission else list(sample)
+            if len(candidates) < over:
+                # More pinned blocks than room: the request itself must spill.
+                extra = [b for b in placement.members(tier) if b not in set(candidates)]
+                candidates += extra[: over - len(candidates)]
+            scores = score(np.asarray(candidates, dtype=np.uint64), now_ms)
+            victims = np.argsort(scores, kind="stable")[:over]
+            stored_set = set(stored)
+            demoted: list[int] = []
+            for i in victims.tolist():
+                block = candidates[i]
+                if placement.tier_of(block) != tier:
+                    continue  # sampled twice through `stored`
+                before = len(moves)
+                self._demote(placement, block, tier, float(scores[i]), now_ms, moves)
+                if block in stored_set:
+                    m = moves[before]
+                    moves[before] = Move(m.block, m.from_tier, m.to_tier, m.score, "bypass")
+                if moves[-1].to_tier != NOWHERE:
+                    demoted.append(block)
+            tier, pinned, stored = tier + 1, set(), demoted
