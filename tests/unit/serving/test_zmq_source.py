@@ -1,0 +1,323 @@
+"""ZmqEventSource against a real ZMQ PUB + ROUTER publisher speaking vLLM's protocol."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+
+import pytest
+
+from features.decoders import decode_kv_event_batch
+from features.events import AllBlocksCleared, BlockRemoved, BlockStored, Tier
+from serving.sources import EventSource
+from serving.zmq_bench import POSITIONAL, TAGGED, EnginePublisher, VllmStructs, encode_batch
+from serving.zmq_source import Residency, ZmqEventSource
+
+pytestmark = pytest.mark.timeout(60)
+
+
+@pytest.fixture
+def publisher() -> Iterator[EnginePublisher]:
+    with EnginePublisher() as pub:
+        yield pub
+
+
+def connect(source: ZmqEventSource, *publishers: EnginePublisher) -> None:
+    """Heartbeat each publisher until the source has seen one of its batches."""
+    for pub, engine_id in zip(publishers, source.engine_ids, strict=True):
+
+        def seen(engine_id: str = engine_id) -> bool:
+            source.poll(1000, timeout_ms=20)
+            return source.stats()["engines"][engine_id]["last_seq"] is not None
+
+        pub.heartbeat_until(seen)
+
+
+def poll_until(source: ZmqEventSource, done: Callable[[], bool], timeout_s: float = 5.0) -> list:
+    events: list = []
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        events.extend(source.poll(1000, timeout_ms=20))
+        if done():
+            events.extend(source.poll(100_000, timeout_ms=0))
+            return events
+    raise TimeoutError(f"condition not met in {timeout_s} s; stats {source.stats()}")
+
+
+def caught_up(source: ZmqEventSource, *publishers: EnginePublisher) -> Callable[[], bool]:
+    def done() -> bool:
+        engines = source.stats()["engines"]
+        return all(
+            engines[eid]["last_seq"] == pub.next_seq - 1
+            for pub, eid in zip(publishers, source.engine_ids, strict=True)
+        )
+
+    return done
+
+
+def stored(s: VllmStructs, hashes, parent=None, medium="GPU", tokens=True):
+    return s.BlockStored(
+        block_hashes=hashes,
+        parent_block_hash=parent,
+        token_ids=list(range(16 * len(hashes))) if tokens else [],
+        block_size=16 if tokens else 0,
+        lora_id=None,
+        medium=medium,
+        lora_name=None,
+    )
+
+
+def removed(s: VllmStructs, hashes, medium="GPU"):
+    return s.BlockRemoved(block_hashes=hashes, medium=medium)
+
+
+def batch(s: VllmStructs, *events, ts: float = 1_700_000_000.0, dp_rank: int | None = 0):
+    return s.KVEventBatch(ts=ts, events=list(events), data_parallel_rank=dp_rank)
+
+
+def test_source_satisfies_the_event_source_contract(publisher):
+    source = ZmqEventSource(publisher.url("e0"))
+    try:
+        assert isinstance(source, EventSource)
+        assert source.poll(10, timeout_ms=0) == []
+        assert not source.exhausted
+    finally:
+        source.close()
+        source.close()  # twice is fine
+    assert source.exhausted
+    assert source.poll(10, timeout_ms=10) == []
+
+
+@pytest.mark.parametrize("structs", [TAGGED, POSITIONAL], ids=["tagged", "positional"])
+def test_both_encodings_hash_types_and_medium_spellings(publisher, structs):
+    sha = bytes(range(32))  # a sha256-style bytes hash
+    source = ZmqEventSource(publisher.url("e0"))
+    try:
+        connect(source, publisher)
+        publisher.publish(batch(structs, stored(structs, [11, 12], parent=None, medium="GPU")))
+        publisher.publish(batch(structs, stored(structs, [sha], parent=12, medium=None)))
+        # Offload copies: tokenless location updates in several spellings of the tiers.
+        publisher.publish(
+            batch(
+                structs,
+                stored(structs, [11], medium="cpu", tokens=False),
+                stored(structs, [12], medium="CPU_PINNED", tokens=False),
+                stored(structs, [sha], medium="Disk", tokens=False),
+                stored(structs, [99], medium="EXTERNAL", tokens=False),
+            )
+        )
+        publisher.publish(batch(structs, removed(structs, [11], medium="gpu")))
+        publisher.publish(batch(structs, removed(structs, [sha], medium="fs")))
+        events = poll_until(source, caught_up(source, publisher))
+    finally:
+        source.close()
+
+    assert [type(e).__name__ for e in events] == [
+        "BlockStored",
+        "BlockStored",
+        *["BlockStored"] * 4,
+        "BlockRemoved",
+        "BlockRemoved",
+    ]
+    sha_id = int.from_bytes(sha[:8], "big")
+    first, second = events[0], events[1]
+    assert isinstance(first, BlockStored) and first.block_hashes == (11, 12)
+    assert first.tier is Tier.HBM and first.num_tokens == 32 and first.engine_id == "e0"
+    assert first.ts_ms == 1_700_000_000_000 and first.data_parallel_rank == 0
+    assert isinstance(second, BlockStored)
+    assert second.block_hashes == (sha_id,) and second.parent_block_hash == 12
+    assert [e.tier for e in events[2:6]] == [Tier.DRAM, Tier.DRAM, Tier.NVME, Tier.REMOTE]
+
+    view = source.residency("e0")
+    assert view.tiers(11) == {Tier.DRAM}
+    assert view.tiers(12) == {Tier.HBM, Tier.DRAM}
+    assert view.tiers(sha_id) == {Tier.HBM}  # the NVMe copy ("fs" is NVMe too) was removed
+    assert view.tiers(99) == {Tier.REMOTE}
+    assert view.fastest_tier(12) is Tier.HBM and view.fastest_tier(11) is Tier.DRAM
+    # Prefix links come from stored events with tokens, never from location updates.
+    assert view.parent(12) == 11 and view.parent(sha_id) == 12 and view.root(sha_id) == 11
+    assert view.num_location_updates == 4 and view.num_unknown_location_updates == 1
+    assert source.tiers(12) == {Tier.HBM, Tier.DRAM}
+    assert source.stats()["rejects"] == 0
+
+
+def _workload(structs: VllmStructs, num_batches: int) -> list[bytes]:
+    """Chains stored on the GPU, offloaded to CPU, some evicted: residency depends on order."""
+    payloads = []
+    for i in range(num_batches):
+        base = 1000 * (i + 1)
+        events = [
+            stored(structs, [base + j for j in range(8)], parent=base - 1000 + 7 if i else None)
+        ]
+        if i >= 2:
+            old = 1000 * (i - 1)
+            events.append(removed(structs, [old + j for j in range(4)]))
+            events.append(stored(structs, [old + 4], medium="CPU", tokens=False))
+        if i == 7:
+            events.append(structs.AllBlocksCleared())
+        payloads.append(encode_batch(batch(structs, *events, ts=1.0 + i)))
+    return payloads
+
+
+def _reference(payloads: list[bytes]) -> Residency:
+    view = Residency()
+    for payload in payloads:
+        for event in decode_kv_event_batch(payload, engine_id="e0"):
+            view.apply(event)
+    return view
+
+
+def test_gaps_are_filled_from_replay_to_the_same_residency(publisher):
+    payloads = _workload(TAGGED, 30)
+    dropped = {3, 4, 5, 11, 20, 29 - 1}
+    source = ZmqEventSource(publisher.url("e0"))
+    try:
+        connect(source, publisher)
+        first_seq = publisher.next_seq
+        for i, payload in enumerate(payloads):
+            publisher.publish_payload(payload, drop=i in dropped)
+        events = poll_until(source, caught_up(source, publisher))
+    finally:
+        source.close()
+
+    reference = _reference(payloads)
+    assert source.residency("e0").snapshot() == reference.snapshot()
+    assert len(reference) > 0
+    expected = [e for p in payloads for e in decode_kv_event_batch(p, engine_id="e0")]
+    assert events == expected  # same events, same order
+    stream = source.stats()["engines"]["e0"]
+    assert stream["gaps"] == 4  # 3-5, 11, 20, 28: four runs of missing sequence numbers
+    assert stream["replayed"] == len(dropped) and stream["unfilled"] == 0
+    assert publisher.num_replay_requests == 4
+    assert stream["last_seq"] == first_seq + len(payloads) - 1
+
+
+def test_gaps_that_replay_cannot_fill_are_counted_and_the_stream_goes_on(publisher):
+    source = ZmqEventSource(publisher.url("e0"), replay_timeout_ms=2_000)
+    try:
+        connect(source, publisher)
+        publisher.publish(batch(TAGGED, stored(TAGGED, [1])))
+        lost = publisher.publish(batch(TAGGED, stored(TAGGED, [2])), drop=True)
+        publisher.forget(lost)  # fell out of the engine's replay buffer
+        publisher.publish(batch(TAGGED, stored(TAGGED, [3])), drop=True)  # still buffered
+        publisher.publish(batch(TAGGED, stored(TAGGED, [4])))
+        events = poll_until(source, caught_up(source, publisher))
+    finally:
+        source.close()
+    assert [e.block_hashes for e in events] == [(1,), (3,), (4,)]
+    stream = source.stats()["engines"]["e0"]
+    assert stream["gaps"] == 1 and stream["replayed"] == 1 and stream["unfilled"] == 1
+
+
+def test_without_a_replay_endpoint_gaps_are_counted_unfilled():
+    with EnginePublisher(replay=False) as publisher:
+        source = ZmqEventSource(publisher.url("solo"))
+        try:
+            connect(source, publisher)
+            publisher.publish(batch(TAGGED, stored(TAGGED, [1])), drop=True)
+            publisher.publish(batch(TAGGED, stored(TAGGED, [2])), drop=True)
+            publisher.publish(batch(TAGGED, stored(TAGGED, [3])))
+            events = poll_until(source, caught_up(source, publisher))
+        finally:
+            source.close()
+    assert [e.block_hashes for e in events] == [(3,)]
+    stream = source.stats()["engines"]["solo"]
+    assert stream["gaps"] == 1 and stream["unfilled"] == 2 and stream["replayed"] == 0
+
+
+def test_engine_restart_resets_residency_and_is_counted(publisher):
+    source = ZmqEventSource(publisher.url("e0"))
+    try:
+        connect(source, publisher)
+        for i in range(20):
+            publisher.publish(batch(TAGGED, stored(TAGGED, [100 + i], medium="GPU")))
+        poll_until(source, caught_up(source, publisher))
+        assert len(source.residency("e0")) == 20
+        before = source.stats()["engines"]["e0"]["last_seq"]
+
+        publisher.restart()  # same ports, sequence back at 0, replay buffer empty
+
+        events: list = []
+
+        def restart_seen() -> bool:
+            events.extend(source.poll(1000, timeout_ms=20))
+            return source.stats()["engines"]["e0"]["restarts"] > 0
+
+        publisher.heartbeat_until(restart_seen)
+        publisher.publish(batch(TAGGED, stored(TAGGED, [7], medium="CPU")))
+        events += poll_until(source, caught_up(source, publisher))
+    finally:
+        source.close()
+
+    stream = source.stats()["engines"]["e0"]
+    assert stream["restarts"] == 1
+    assert stream["last_seq"] < before
+    view = source.residency("e0")
+    assert view.snapshot() == {7: frozenset({Tier.DRAM})}  # nothing of the old process
+    cleared = [e for e in events if isinstance(e, AllBlocksCleared)]
+    assert len(cleared) == 1 and cleared[0].engine_id == "e0"
+    assert events.index(cleared[0]) < len(events) - 1  # before the new process's events
+    # The new process's heartbeats before the one that revealed the restart were
+    # fetched from replay, so nothing of the new process is unaccounted for.
+    assert stream["unfilled"] == 0
+
+
+def test_several_engines_keep_residency_apart():
+    with EnginePublisher() as a, EnginePublisher(topic="kv") as b:
+        url = (
+            f"zmq://127.0.0.1:{a.port},127.0.0.1:{b.port}"
+            f"?replay={a.replay_endpoint}&replay={b.replay_endpoint}&engine=rank0,rank1"
+        )
+        # Topics differ per engine here, so give each its own URL.
+        source = ZmqEventSource([a.url("rank0"), b.url("rank1")])
+        assert ZmqEventSource.from_url(url).engine_ids == ["rank0", "rank1"]
+        try:
+            connect(source, a, b)
+            a.publish(batch(TAGGED, stored(TAGGED, [5, 6], medium="GPU"), dp_rank=0))
+            b.publish(batch(POSITIONAL, stored(POSITIONAL, [5], medium="CPU"), dp_rank=1))
+            b.publish(batch(POSITIONAL, removed(POSITIONAL, [6], medium="GPU"), dp_rank=1))
+            a.publish(batch(TAGGED, removed(TAGGED, [5], medium="GPU"), dp_rank=0), drop=True)
+            a.publish(batch(TAGGED, stored(TAGGED, [8], medium="GPU"), dp_rank=0))
+            events = poll_until(source, caught_up(source, a, b))
+        finally:
+            source.close()
+    by_engine = {e.engine_id for e in events}
+    assert by_engine == {"rank0", "rank1"}
+    assert {e.data_parallel_rank for e in events if e.engine_id == "rank1"} == {1}
+    r0, r1 = source.residency("rank0"), source.residency("rank1")
+    assert r0.snapshot() == {6: {Tier.HBM}, 8: {Tier.HBM}}  # 5 removed (via replay)
+    assert r1.snapshot() == {5: {Tier.DRAM}}  # removing 6 from an engine without it: no-op
+    assert source.tiers(5) == {Tier.DRAM} and source.fastest_tier(6) is Tier.HBM
+    stats = source.stats()["engines"]
+    assert stats["rank0"]["replayed"] == 1 and stats["rank1"]["gaps"] == 0
+    with pytest.raises(KeyError, match="rank0"):
+        source.residency("rank9")
+
+
+def test_topic_filter_ignores_other_topics():
+    with EnginePublisher(topic="kv@node1") as pub:
+        source = ZmqEventSource(pub.url("n1").replace("topic=kv@node1", "topic=other"))
+        try:
+            for _ in range(20):
+                pub.heartbeat()
+                pub.publish(batch(TAGGED, stored(TAGGED, [1])))
+            assert source.poll(100, timeout_ms=200) == []
+            assert source.stats()["batches"] == 0
+        finally:
+            source.close()
+
+
+def test_residency_links_and_removal():
+    view = Residency()
+    view.apply(BlockStored(0, (1, 2, 3), None, 16, Tier.HBM, num_tokens=48))
+    view.apply(BlockStored(0, (4,), 3, 16, Tier.HBM, num_tokens=16))
+    view.apply(BlockStored(0, (4,), None, 0, Tier.NVME))  # location update keeps the links
+    assert [view.parent(h) for h in (1, 2, 3, 4)] == [None, 1, 2, 3]
+    assert {view.root(h) for h in (1, 2, 3, 4)} == {1}
+    assert view.num_in(Tier.HBM) == 4 and view.num_in(Tier.NVME) == 1
+    view.apply(BlockRemoved(0, (4,), Tier.HBM))
+    assert view.tiers(4) == {Tier.NVME} and view.root(4) == 1
+    view.apply(BlockRemoved(0, (4, 77), Tier.NVME))
+    assert 4 not in view and view.root(4) is None and len(view) == 3
+    view.apply(AllBlocksCleared(0))
+    assert len(view) == 0 and view.tiers(1) == frozenset()
