@@ -139,7 +139,7 @@ msgpack_values = st.recursive(
 
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
-    ts=st.one_of(st.floats(), st.integers(), st.text(max_size=3)),
+    ts=st.one_of(st.floats(), st.integers(-(1 << 63), (1 << 64) - 1), st.text(max_size=3)),
     events=st.lists(
         st.one_of(
             st.tuples(
