@@ -509,6 +509,28 @@ class _Producer:
         future.add_errback(self._errors.append)
         self.num_sent += 1
 
+    def send_record(
+        self,
+        value: bytes,
+        *,
+        key: bytes | None = None,
+        headers: Sequence[tuple[str, bytes]] = (),
+        topic: str | None = None,
+        partition: int | None = None,
+    ) -> None:
+        """Any payload with a key and headers, to ``topic`` (default: this producer's) and,
+        when given, one ``partition``. Failures surface in ``flush`` like every other
+        record. The ZMQ bridge forwards engine events and their dead letters through it."""
+        future = self._producer.send(
+            topic or self.topic,
+            key=key,
+            value=value,
+            headers=list(headers) or None,
+            partition=partition,
+        )
+        future.add_errback(self._errors.append)
+        self.num_sent += 1
+
     def flush(self, timeout_s: float | None = None) -> None:
         """Block until every record sent so far is acknowledged; raise if any failed."""
         self._producer.flush(timeout=timeout_s)
