@@ -1,0 +1,248 @@
+"""The ``Tier`` interface every storage tier implements, real or simulated.
+
+Primitives (all thread-safe; ``block_id`` is an int hash or a safe string id, see
+``executor.block_ids``):
+
+- ``contains(block_id) -> bool``: is a committed copy here.
+- ``read(block_id) -> Buffer``: the payload, checksum verified. Raises
+  ``BlockNotFoundError``; raises ``CorruptBlockError`` after quarantining a block
+  whose checksum fails (callers treat that as a miss, never serve the bytes).
+- ``write(block_id, data, checksum=None)``: store atomically. Either the whole
+  block is committed and verified, or nothing is left behind. Raises
+  ``TierFullError`` when it does not fit: a tier never exceeds its capacity.
+- ``discard(block_id) -> bool``: drop it (True if it was here).
+- ``used_bytes`` / ``capacity_bytes``: payload bytes held / allowed.
+
+Helpers with default implementations: ``read_with_checksum`` (moves pass the
+source's CRC32 on to the destination so it is computed once), ``keys``, ``size_of``,
+``recover`` (called once at executor start: drop temp files, rebuild the index,
+quarantine corrupt blocks) and ``close``.
+
+Constructor shape, the same for every tier: ``SomeTier(name, SomeTier.Params(...))``
+where ``name`` is one of ``executor.names.TIER_NAMES`` and ``Params`` is a frozen
+dataclass that validates its fields. Metrics wrap tiers from outside; tiers do not
+count for anyone.
+"""
+
+from __future__ import annotations
+
+import threading
+import zlib
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from typing import ClassVar
+
+from executor.block_ids import BlockId, block_key
+from executor.names import check_tier_name
+
+Buffer = bytes | bytearray | memoryview
+"""Block payloads: serialized KV tensors. Tiers return whichever avoids a copy."""
+
+
+def checksum(data: Buffer) -> int:
+    """CRC32 of a payload. zlib releases the GIL on large buffers, so parallel moves
+    checksum in parallel. CRC32 detects the corruption tiers suffer (flipped bits,
+    torn or truncated writes); it is not meant to resist tampering."""
+    return zlib.crc32(data) & 0xFFFFFFFF
+
+
+class TierError(Exception):
+    """Base of the errors tiers raise."""
+
+
+class BlockNotFoundError(TierError, KeyError):
+    """The block is not in this tier."""
+
+    def __init__(self, tier: str, key: str) -> None:
+        self.tier = tier
+        self.key = key
+        super().__init__(f"block {key} is not in tier {tier!r}; check contains() first")
+
+    def __str__(self) -> str:
+        return str(self.args[0])
+
+
+class CorruptBlockError(TierError):
+    """A stored block failed verification; it has been quarantined and must be
+    treated as missing (fetch it from elsewhere or recompute it)."""
+
+    def __init__(self, tier: str, key: str, problem: str) -> None:
+        self.tier = tier
+        self.key = key
+        self.problem = problem
+        super().__init__(f"block {key} in tier {tier!r} is corrupt ({problem}); quarantined")
+
+
+class TierFullError(TierError):
+    """A write does not fit. Make room (demote or discard) or write elsewhere."""
+
+    def __init__(self, tier: str, key: str, size_bytes: int, free_bytes: int) -> None:
+        self.tier = tier
+        self.key = key
+        self.size_bytes = size_bytes
+        self.free_bytes = free_bytes
+        super().__init__(
+            f"tier {tier!r} has {free_bytes} bytes free, block {key} needs {size_bytes}; "
+            "make room first or raise the tier's capacity_bytes"
+        )
+
+
+@dataclass(frozen=True)
+class TierParams:
+    """Fields every tier has. Subclasses add their own, each validated."""
+
+    capacity_bytes: int
+    """Payload bytes this tier may hold; writes that would exceed it are refused."""
+    num_io_threads: int = 4
+    """Size of this tier's thread pool in the executor (parallel reads/writes)."""
+
+    def __post_init__(self) -> None:
+        if isinstance(self.capacity_bytes, bool) or not isinstance(self.capacity_bytes, int):
+            raise ValueError(f"capacity_bytes must be an int, got {self.capacity_bytes!r}")
+        if self.capacity_bytes < 0:
+            raise ValueError(f"capacity_bytes must be >= 0, got {self.capacity_bytes}")
+        if not 1 <= self.num_io_threads <= 256:
+            raise ValueError(f"num_io_threads must be in [1, 256], got {self.num_io_threads}")
+
+
+@dataclass
+class RecoveryReport:
+    """What ``recover`` found in one tier."""
+
+    tier: str
+    num_blocks: int = 0
+    num_temp_files_removed: int = 0
+    quarantined: list[str] = field(default_factory=list)
+
+
+class Tier(ABC):
+    """Base class: holds the name, params and the capacity bookkeeping.
+
+    Subclasses implement ``_read``/``_commit``/``_discard``/``_list`` and keep
+    ``self._sizes`` (key -> payload bytes of committed blocks) up to date; capacity
+    is enforced here with reservations, so concurrent writes can never overshoot.
+    """
+
+    Params: ClassVar[type[TierParams]] = TierParams
+    durable: ClassVar[bool] = False
+    """True when blocks survive a process restart (directory tiers)."""
+
+    def __init__(self, name: str, params: TierParams) -> None:
+        self.name = check_tier_name(name)
+        if not isinstance(params, self.Params):
+            raise TypeError(
+                f"{type(self).__name__} needs {self.Params.__qualname__}, got {type(params).__name__}"
+            )
+        self.params = params
+        self._lock = threading.Lock()
+        self._sizes: dict[str, int] = {}
+        self._used_bytes = 0
+        self._reserved_bytes = 0
+        self.quarantined: list[str] = []
+        """Keys found corrupt since start (their bytes are moved aside or dropped)."""
+
+    # -- public interface -------------------------------------------------------
+    @property
+    def capacity_bytes(self) -> int:
+        return self.params.capacity_bytes
+
+    @property
+    def used_bytes(self) -> int:
+        """Committed payload bytes (in-progress writes are not counted)."""
+        return self._used_bytes
+
+    @property
+    def free_bytes(self) -> int:
+        """Bytes a new write can still take, net of in-progress writes."""
+        with self._lock:
+            return self.capacity_bytes - self._used_bytes - self._reserved_bytes
+
+    def contains(self, block_id: BlockId) -> bool:
+        return block_key(block_id) in self._sizes
+
+    def size_of(self, block_id: BlockId) -> int | None:
+        return self._sizes.get(block_key(block_id))
+
+    def keys(self) -> list[str]:
+        """Keys of committed blocks (a snapshot)."""
+        with self._lock:
+            return list(self._sizes)
+
+    def read(self, block_id: BlockId) -> Buffer:
+        return self.read_with_checksum(block_id)[0]
+
+    def read_with_checksum(self, block_id: BlockId) -> tuple[Buffer, int]:
+        key = block_key(block_id)
+        if key not in self._sizes:
+            raise BlockNotFoundError(self.name, key)
+        return self._read(key)
+
+    def write(self, block_id: BlockId, data: Buffer, checksum: int | None = None) -> None:
+        """Store ``data`` atomically. ``checksum``: the payload's CRC32 when the caller
+        already has it (a move); it is written as the block's checksum, so a wrong
+        value makes the block read as corrupt, never silently wrong."""
+        key = block_key(block_id)
+        size = len(data) if not isinstance(data, memoryview) else data.nbytes
+        with self._lock:
+            old = self._sizes.get(key, 0)
+            free = self.capacity_bytes - self._used_bytes - self._reserved_bytes + old
+            if size > free:
+                raise TierFullError(self.name, key, size, free)
+            self._reserved_bytes += size
+        committed = False
+        try:
+            self._commit(key, data, checksum)
+            committed = True
+        finally:
+            with self._lock:
+                self._reserved_bytes -= size
+                if committed:
+                    self._used_bytes += size - self._sizes.get(key, 0)
+                    self._sizes[key] = size
+
+    def discard(self, block_id: BlockId) -> bool:
+        key = block_key(block_id)
+        with self._lock:
+            size = self._sizes.pop(key, None)
+            if size is None:
+                return False
+            self._used_bytes -= size
+        self._discard(key)
+        return True
+
+    def recover(self, verify: bool = True) -> RecoveryReport:
+        """Rebuild the index from storage. Volatile tiers start empty."""
+        return RecoveryReport(self.name, num_blocks=len(self._sizes))
+
+    def close(self) -> None:  # noqa: B027 - optional hook
+        """Release resources (file handles, device memory)."""
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.name!r}, {self.params!r})"
+
+    # -- for subclasses ---------------------------------------------------------
+    def _quarantine_index(self, key: str) -> None:
+        """Drop a corrupt ``key`` from the index and record it in ``quarantined``."""
+        with self._lock:
+            self.quarantined.append(key)
+            size = self._sizes.pop(key, None)
+            if size is not None:
+                self._used_bytes -= size
+
+    def _index(self, key: str, size: int) -> None:
+        with self._lock:
+            self._used_bytes += size - self._sizes.get(key, 0)
+            self._sizes[key] = size
+
+    @abstractmethod
+    def _read(self, key: str) -> tuple[Buffer, int]:
+        """Return (payload, crc32) for a committed key, verified; on a checksum
+        failure quarantine it, call ``_quarantine_index`` and raise ``CorruptBlockError``."""
+
+    @abstractmethod
+    def _commit(self, key: str, data: Buffer, crc: int | None) -> None:
+        """Store the payload under ``key`` atomically (all or nothing)."""
+
+    @abstractmethod
+    def _discard(self, key: str) -> None:
+        """Remove the stored payload of a key already dropped from the index."""
