@@ -1,0 +1,597 @@
+"""Online per-block feature state: the one code path for serving and training.
+
+Serving feeds it the live event stream; ``training.dataset`` feeds it a trace, one
+event at a time through the same ``observe``, and reads rows with the same
+``features_for``. There is no second implementation of any feature.
+
+Primitives:
+
+- ``FeatureParams``: frozen, validated knobs (cap on tracked blocks, number of gaps,
+  half-lives ...).
+- ``FeatureState(params)``:
+  - ``observe(event)`` / ``observe_many(events)``: ``BlocksAccessed`` updates the
+    blocks of one request in a handful of vectorised numpy operations;
+    ``BlockStored`` / ``BlockRemoved`` / ``AllBlocksCleared`` update the tier set of
+    tracked blocks (residency of untracked blocks is ignored: nothing to predict).
+  - ``features_for(block_hashes, now_ms)``: float32 matrix (n, len(feature_names)),
+    a valid row for unknown blocks (``known=0``), never an exception.
+  - cheap accessors for the baselines (``last_access_ms``, ``access_count``,
+    ``decayed_count``, ``root_last_access_ms``), ``known``/``slot_of``,
+    ``tracked_hashes``, ``num_tracked``, ``bytes_per_tracked_block``.
+
+Storage: one row per tracked block in four flat arrays (int64, int32, float32, uint8
+columns) plus a ``dict`` hash -> row. At ``max_tracked_blocks`` the coldest
+``evict_fraction`` of the rows (oldest last access) is dropped in one vectorised pass,
+never a block of the request being observed. Features at time t depend only on the
+events observed so far, in their order: that is what makes training rows equal to
+serving rows and free of leakage.
+
+Conventions: a block read twice by one request counts once. Timestamps are
+non-decreasing in a stream (``features.decoders`` guarantees it for traces); a query
+``now_ms`` earlier than a block's last access gives negative elapsed times, not an
+error.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from features.events import AllBlocksCleared, BlockRemoved, BlocksAccessed, BlockStored, Tier
+from features.feature_set import (
+    DEFAULT_HALF_LIVES_S,
+    DEFAULT_NUM_GAPS,
+    DEFAULT_RATE_HALF_LIVES_S,
+    FEATURE_NAMES,
+    FEATURE_VERSION,
+    MISSING,
+    NO_TIER_RANK,
+    ROOT_POPULARITY_HALF_LIFE_S,
+    feature_names,
+)
+
+__all__ = [
+    "FEATURE_NAMES",
+    "FEATURE_VERSION",
+    "FeatureParams",
+    "FeatureParamsError",
+    "FeatureState",
+]
+
+_LN2 = math.log(2.0)
+_BLOCK_RATE_HALF_LIFE_S = 60.0
+
+# int64 columns
+_LAST, _CHILD, _EXT, _FIRST = 0, 1, 2, 3
+_NUM_I64 = 4
+# int32 columns; _REQORD.._TURN are set to one value per request, so they are contiguous.
+_REQORD, _REQLEN, _INTOK, _OUTTOK, _HITLEN, _TURN = 0, 1, 2, 3, 4, 5
+_ROOT, _COUNT, _DEPTH, _PARENT, _NCHILD = 6, 7, 8, 9, 10
+_NUM_I32 = 11
+# uint8 columns
+_FLAGS, _TIERS = 0, 1
+_NUM_U8 = 2
+_FLAG_EVER_TAIL = 1
+_REBASE_EXPONENT = 32.0  # stored decayed counters stay below count * 2**32: float32-safe
+_ROOT_DECAYED_NAME = f"root_decayed_count_hl_{ROOT_POPULARITY_HALF_LIFE_S:g}s"
+
+# tier bitmask (bit = Tier.rank) -> fastest tier rank, NO_TIER_RANK when empty
+_TIER_RANK_OF_MASK = np.array(
+    [NO_TIER_RANK] + [(m & -m).bit_length() - 1 for m in range(1, 16)], dtype=np.float32
+)
+
+
+class FeatureParamsError(ValueError):
+    """A ``FeatureParams`` field is out of range; the message says which and why."""
+
+
+@dataclass(frozen=True)
+class FeatureParams:
+    """Knobs of the online feature state. Changing any of them changes feature values,
+    so a model records the params it was trained with alongside ``FEATURE_VERSION``."""
+
+    max_tracked_blocks: int = 2_000_000
+    """Cap on tracked blocks; at the cap the coldest are dropped (>= 16)."""
+    num_gaps: int = DEFAULT_NUM_GAPS
+    """K: how many of the latest inter-access gaps are kept per block (1..64)."""
+    half_lives_s: tuple[float, ...] = DEFAULT_HALF_LIVES_S
+    """Half-lives of the per-block decayed access counters; must include 60 s (root popularity)."""
+    rate_half_lives_s: tuple[float, ...] = DEFAULT_RATE_HALF_LIVES_S
+    """Half-lives of the request arrival-rate estimates."""
+    evict_fraction: float = 1 / 16
+    """Share of the cap dropped in one eviction pass (amortises the pass), in (0, 0.5]."""
+    continuation_tail_slack: int = 2
+    """A request whose longest known prefix ends within this many blocks of the tail of
+    the request that last read it is counted as the next turn of that conversation
+    (the previous prompt's last, partial block gets a new hash when it fills up)."""
+    max_tracked_sessions: int = 200_000
+    """Cap on sessions whose turn count is kept (when the source has session ids)."""
+    initial_capacity: int = 1 << 16
+    """Rows allocated up front; arrays double up to ``max_tracked_blocks``."""
+
+    def __post_init__(self) -> None:
+        if self.max_tracked_blocks < 16:
+            raise FeatureParamsError(
+                f"max_tracked_blocks must be >= 16, got {self.max_tracked_blocks}"
+            )
+        if not 1 <= self.num_gaps <= 64:
+            raise FeatureParamsError(f"num_gaps must be in 1..64, got {self.num_gaps}")
+        for name in ("half_lives_s", "rate_half_lives_s"):
+            values = getattr(self, name)
+            if not values or any(not v > 0 for v in values):
+                raise FeatureParamsError(
+                    f"{name} must be a non-empty tuple of positive seconds, got {values}"
+                )
+        if ROOT_POPULARITY_HALF_LIFE_S not in self.half_lives_s:
+            raise FeatureParamsError(
+                f"half_lives_s must include {ROOT_POPULARITY_HALF_LIFE_S:g} (root popularity), "
+                f"got {self.half_lives_s}"
+            )
+        if not 0 < self.evict_fraction <= 0.5:
+            raise FeatureParamsError(
+                f"evict_fraction must be in (0, 0.5], got {self.evict_fraction}"
+            )
+        if self.continuation_tail_slack < 0:
+            raise FeatureParamsError("continuation_tail_slack must be >= 0")
+        if self.max_tracked_sessions < 1 or self.initial_capacity < 1:
+            raise FeatureParamsError("max_tracked_sessions and initial_capacity must be >= 1")
+
+    @property
+    def feature_names(self) -> tuple[str, ...]:
+        return feature_names(self.num_gaps, self.half_lives_s, self.rate_half_lives_s)
+
+
+@dataclass
+class _Columns:
+    """Column positions in the output matrix for one parameter set."""
+
+    names: tuple[str, ...]
+    gap0: int = field(init=False)
+    dec0: int = field(init=False)
+    at: dict[str, int] = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.at = {n: i for i, n in enumerate(self.names)}
+        self.gap0 = self.at["gap_1_ms"]
+        self.dec0 = self.gap0 + sum(n.startswith("gap_") for n in self.names)
+
+
+class FeatureState:
+    """Per-block state of everything observed so far; see the module docstring."""
+
+    def __init__(self, params: FeatureParams | None = None) -> None:
+        self.params = params or FeatureParams()
+        p = self.params
+        self.feature_names = p.feature_names
+        self._cols = _Columns(self.feature_names)
+        self._k = p.num_gaps
+        self._inv_hl_ms = np.array([1.0 / (h * 1000.0) for h in p.half_lives_s], dtype=np.float64)
+        self._max_inv_hl_ms = float(self._inv_hl_ms.max())
+        self._root_hl = p.half_lives_s.index(ROOT_POPULARITY_HALF_LIFE_S)
+        cap = min(p.initial_capacity, p.max_tracked_blocks)
+        self._hash = np.zeros(cap, dtype=np.uint64)
+        self._i64 = np.zeros((cap, _NUM_I64), dtype=np.int64)
+        self._i32 = np.zeros((cap, _NUM_I32), dtype=np.int32)
+        # Columns [0, K): the latest K gaps, latest first (a shift register); then the
+        # decayed counters, one per half-life.
+        self._f32 = np.zeros((cap, p.num_gaps + len(p.half_lives_s)), dtype=np.float32)
+        self._u8 = np.zeros((cap, _NUM_U8), dtype=np.uint8)
+        self._index: dict[int, int] = {}
+        self._free: list[int] = []
+        self._high_water = 0  # rows [0, high_water) have been handed out at least once
+        self._sessions: dict[str, int] = {}
+        self._arange = np.arange(1024, dtype=np.intp)
+        self._gap_rank = np.arange(p.num_gaps)
+        # Decayed counters are stored scaled by 2**((t - epoch) / half-life) so an access
+        # adds one weight per request instead of decaying every block; the epoch moves
+        # forward (rescaling every row) before the weights could overflow float32.
+        self._dec_epoch_ms = 0
+        self._weights_ts_ms: int | None = None
+        self._weights = np.zeros(len(p.half_lives_s), dtype=np.float32)
+        self.num_requests = 0
+        self.num_accesses = 0
+        self.num_evicted = 0
+        self.clock_ms = 0
+        """Time of the latest access event (request-level rates are valued here)."""
+        self._rate_hl_s = tuple(float(h) for h in p.rate_half_lives_s)
+        self._req_counts = [0.0] * len(self._rate_hl_s)
+        self._block_count = 0.0
+        self.last_request_slots = np.zeros(0, dtype=np.intp)
+        """Rows of the blocks of the last observed request, in chain order."""
+
+    # --- observing -----------------------------------------------------------------
+
+    def observe_many(self, events: Iterable[object]) -> None:
+        observe = self.observe
+        for event in events:
+            observe(event)
+
+    def observe(self, event: object) -> None:
+        """Fold one event into the state. Unknown event types raise ``TypeError``."""
+        if isinstance(event, BlocksAccessed):
+            self._observe_access(event)
+        elif isinstance(event, BlockStored):
+            self._set_tier(event.block_hashes, event.tier, True)
+        elif isinstance(event, BlockRemoved):
+            self._set_tier(event.block_hashes, event.tier, False)
+        elif isinstance(event, AllBlocksCleared):
+            self._u8[: self._high_water, _TIERS] = 0
+        else:
+            raise TypeError(
+                f"FeatureState.observe takes features.events types, got {type(event).__name__}"
+            )
+
+    def _tick(self, ts_ms: int, num_blocks: int) -> None:
+        """Advance the request-level counters to ``ts_ms`` and count one request."""
+        if ts_ms != self.clock_ms:
+            dt_s = (ts_ms - self.clock_ms) / 1000.0
+            self._req_counts = [
+                c * 2.0 ** (-dt_s / h)
+                for c, h in zip(self._req_counts, self._rate_hl_s, strict=True)
+            ]
+            self._block_count *= 2.0 ** (-dt_s / _BLOCK_RATE_HALF_LIFE_S)
+            self.clock_ms = ts_ms
+        self._req_counts = [c + 1.0 for c in self._req_counts]
+        self._block_count += num_blocks
+
+    def _weights_at(self, ts_ms: int) -> np.ndarray:
+        if ts_ms == self._weights_ts_ms:
+            return self._weights
+        if (ts_ms - self._dec_epoch_ms) * self._max_inv_hl_ms > _REBASE_EXPONENT:
+            factor = np.exp2(-(ts_ms - self._dec_epoch_ms) * self._inv_hl_ms).astype(np.float32)
+            self._f32[: self._high_water, self._k :] *= factor
+            self._dec_epoch_ms = ts_ms
+        self._weights = np.exp2((ts_ms - self._dec_epoch_ms) * self._inv_hl_ms).astype(np.float32)
+        self._weights_ts_ms = ts_ms
+        return self._weights
+
+    def _dec_scale(self, now_ms: int) -> np.ndarray:
+        """Multiplier turning stored decayed counters into their value at ``now_ms``."""
+        return np.exp2(-(now_ms - self._dec_epoch_ms) * self._inv_hl_ms)
+
+    def _observe_access(self, event: BlocksAccessed) -> None:
+        hashes = event.block_hashes
+        n = len(hashes)
+        t = event.ts_ms
+        self._tick(t, n)
+        self.num_requests += 1
+        if n == 0:
+            self.last_request_slots = np.zeros(0, dtype=np.intp)
+            return
+        self.num_accesses += n
+        found = list(map(self._index.get, hashes))
+        new_pos: list[int] = []
+        if None in found:
+            new_pos = [i for i, s in enumerate(found) if s is None]
+        hit_len = new_pos[0] if new_pos else n
+
+        # Turn of this request: the session's count when the source has sessions, else
+        # one more than the conversation it continues (read before the rows change).
+        turn = 1
+        if event.session_id is not None:
+            turn = self._sessions.pop(event.session_id, 0) + 1
+            self._sessions[event.session_id] = turn
+            if len(self._sessions) > self.params.max_tracked_sessions:
+                del self._sessions[next(iter(self._sessions))]
+        elif hit_len >= 2:
+            row = self._i32[found[hit_len - 1]]
+            if row[_REQLEN] - 1 - row[_DEPTH] <= self.params.continuation_tail_slack:
+                turn = int(row[_TURN]) + 1
+
+        weights = self._weights_at(t)  # may rescale rows: before the gathers below
+        if new_pos:
+            self._allocate(hashes, found, new_pos)
+        sl = np.array(found, dtype=np.intp)
+        if n > self._arange.shape[0]:
+            self._arange = np.arange(2 * n, dtype=np.intp)
+        ar = self._arange[:n]
+        k = self._k
+        I = self._i64.take(sl, axis=0)  # noqa: E741 -- gathered rows, written back below
+        J = self._i32.take(sl, axis=0)
+        F = self._f32.take(sl, axis=0)
+        # Shift the gaps; a new row (count 0) gets a meaningless gap 0 - its valid gaps
+        # are always the first count - 1 columns, so it is never read.
+        F[:, 1:k] = F[:, : k - 1]
+        F[:, 0] = t - I[:, _LAST]
+        F[:, k:] += weights
+        I[:, _LAST] = t
+        I[: n - 1, _CHILD] = t + 1
+        if new_pos:
+            first_new, last_new = new_pos[0], new_pos[-1]
+            # A new block at position i > 0 is a new child of the block before it.
+            if last_new == n - 1 and last_new - first_new + 1 == len(new_pos):  # a new suffix
+                I[first_new:, _FIRST] = t
+                J[max(first_new - 1, 0) : n - 1, _NCHILD] += 1
+            else:
+                newi = np.array(new_pos, dtype=np.intp)
+                I[newi, _FIRST] = t
+                J[newi[newi > 0] - 1, _NCHILD] += 1
+            if last_new > 0:
+                I[:last_new, _EXT] = t + 1
+        J[:, _REQORD : _ROOT + 1] = (
+            self.num_requests,
+            n,
+            -1 if event.input_tokens is None else event.input_tokens,
+            -1 if event.output_tokens is None else event.output_tokens,
+            hit_len,
+            turn,
+            sl[0],
+        )
+        J[:, _COUNT] += 1
+        J[:, _DEPTH] = ar
+        J[0, _PARENT] = -1
+        J[1:, _PARENT] = sl[:-1]
+        self._i64[sl] = I
+        self._i32[sl] = J
+        self._f32[sl] = F
+        self._u8[found[-1], _FLAGS] |= _FLAG_EVER_TAIL
+        self.last_request_slots = sl
+
+    def _allocate(
+        self, hashes: tuple[int, ...], found: list[int | None], new_pos: list[int]
+    ) -> None:
+        """Give each new hash a row (its columns are all zero), evicting at the cap."""
+        need = len(new_pos)
+        cap = self._hash.shape[0]
+        if len(self._free) + cap - self._high_water < need:
+            if cap < self.params.max_tracked_blocks:
+                self._grow(max(cap * 2, self._high_water + need))
+            spare = len(self._free) + self._hash.shape[0] - self._high_water
+            if spare < need:
+                protect = np.array([s for s in found if s is not None], dtype=np.intp)
+                self._evict(need - spare, protect)
+        index = self._index
+        new_hashes = [hashes[i] for i in new_pos]
+        if not self._free and len(set(new_hashes)) == need:
+            # Common case: fresh rows, no hash repeated within the request.
+            start = self._high_water
+            self._high_water = start + need
+            index.update(zip(new_hashes, range(start, start + need), strict=True))
+            self._hash[start : start + need] = new_hashes
+            for row, i in enumerate(new_pos, start):
+                found[i] = row
+            return
+        free = self._free
+        for i, h in zip(new_pos, new_hashes, strict=True):
+            slot = index.get(h)
+            if slot is None:  # not a repeat of a hash new earlier in this same request
+                if free:
+                    slot = free.pop()
+                else:
+                    slot = self._high_water
+                    self._high_water += 1
+                index[h] = slot
+                self._hash[slot] = h
+            found[i] = slot
+
+    def _arrays(self) -> tuple[np.ndarray, ...]:
+        return (self._hash, self._i64, self._i32, self._f32, self._u8)
+
+    def _grow(self, rows: int) -> None:
+        rows = min(rows, self.params.max_tracked_blocks)
+        old = self._hash.shape[0]
+        if rows <= old:
+            return
+        grown = []
+        for a in self._arrays():
+            out = np.zeros((rows, *a.shape[1:]), dtype=a.dtype)
+            out[:old] = a
+            grown.append(out)
+        self._hash, self._i64, self._i32, self._f32, self._u8 = grown
+
+    def _evict(self, at_least: int, protect: np.ndarray) -> None:
+        """Drop the coldest rows (oldest last access), never those in ``protect``."""
+        hw = self._high_water
+        key = self._i64[:hw, _LAST].copy()
+        if protect.size:
+            key[protect] = np.iinfo(np.int64).max
+        evictable = hw - np.unique(protect).size
+        if evictable < at_least:
+            raise FeatureParamsError(
+                f"one request has more blocks than max_tracked_blocks "
+                f"({self.params.max_tracked_blocks}) can hold; raise max_tracked_blocks"
+            )
+        m = min(
+            max(at_least, math.ceil(self.params.max_tracked_blocks * self.params.evict_fraction)),
+            evictable,
+        )
+        # The m coldest, by (last access, row), so the choice never depends on
+        # argpartition's internal order.
+        cold = np.argpartition(key, m - 1)[:m] if m < hw else np.arange(hw)
+        cold = cold[np.lexsort((cold, key[cold]))][:m]
+        for h in self._hash[cold].tolist():
+            del self._index[h]
+        for col in (_PARENT, _ROOT):
+            ref = self._i32[:hw, col]
+            ref[np.isin(ref, cold)] = -1
+        for a in self._arrays():
+            a[cold] = 0
+        # pop() takes from the end: the coldest row is reused first.
+        self._free.extend(cold[::-1].tolist())
+        self.num_evicted += m
+
+    def _set_tier(self, block_hashes: tuple[int, ...], tier: Tier, present: bool) -> None:
+        slots = [s for s in map(self._index.get, block_hashes) if s is not None]
+        if not slots:
+            return
+        bit = 1 << tier.rank
+        if present:
+            self._u8[slots, _TIERS] |= np.uint8(bit)
+        else:
+            self._u8[slots, _TIERS] &= np.uint8(~bit & 0xFF)
+
+    # --- lookups -------------------------------------------------------------------
+
+    def slot_of(self, block_hashes: np.ndarray | Iterable[int]) -> np.ndarray:
+        """Row of each hash, -1 for untracked (intp)."""
+        values = (
+            block_hashes.tolist() if isinstance(block_hashes, np.ndarray) else list(block_hashes)
+        )
+        get = self._index.get
+        return np.array([get(h, -1) for h in values], dtype=np.intp)
+
+    def known(self, block_hashes: np.ndarray | Iterable[int]) -> np.ndarray:
+        """True for tracked hashes."""
+        return self.slot_of(block_hashes) >= 0
+
+    @property
+    def num_tracked(self) -> int:
+        return len(self._index)
+
+    def tracked_slots(self) -> np.ndarray:
+        """Rows of every tracked block, ascending."""
+        hw = self._high_water
+        if not self._free:
+            return np.arange(hw, dtype=np.intp)
+        used = np.ones(hw, dtype=bool)
+        used[np.array(self._free, dtype=np.intp)] = False
+        return np.flatnonzero(used)
+
+    def tracked_hashes(self) -> np.ndarray:
+        """Hashes of every tracked block (uint64), in row order."""
+        return self._hash[self.tracked_slots()]
+
+    # --- cheap accessors for baseline policies -------------------------------------
+
+    def last_access_ms(self, block_hashes: np.ndarray | Iterable[int]) -> np.ndarray:
+        """Last access time (int64), -1 for untracked: what LRU ranks by."""
+        sl = self.slot_of(block_hashes)
+        return np.where(sl >= 0, self._i64[sl, _LAST], -1)
+
+    def access_count(self, block_hashes: np.ndarray | Iterable[int]) -> np.ndarray:
+        """Access count (int64), 0 for untracked: what LFU ranks by."""
+        sl = self.slot_of(block_hashes)
+        return np.where(sl >= 0, self._i32[sl, _COUNT], 0).astype(np.int64)
+
+    def decayed_count(
+        self, block_hashes: np.ndarray | Iterable[int], now_ms: int, half_life_s: float = 60.0
+    ) -> np.ndarray:
+        """Decayed access count at ``now_ms`` (float64), 0 for untracked."""
+        if half_life_s not in self.params.half_lives_s:
+            raise FeatureParamsError(
+                f"half_life_s {half_life_s} is not one of {self.params.half_lives_s}"
+            )
+        col = self.params.half_lives_s.index(half_life_s)
+        sl = self.slot_of(block_hashes)
+        value = self._f32[sl, self._k + col] * self._dec_scale(now_ms)[col]
+        return np.where(sl >= 0, value, 0.0)
+
+    def root_last_access_ms(self, block_hashes: np.ndarray | Iterable[int]) -> np.ndarray:
+        """Last access of each block's prefix root (int64), -1 when untracked: what a
+        prefix-aware LRU ranks by."""
+        sl = self.slot_of(block_hashes)
+        root = np.where(sl >= 0, self._i32[sl, _ROOT], -1)
+        return np.where(root >= 0, self._i64[root, _LAST], -1)
+
+    # --- features --------------------------------------------------------------------
+
+    def features_for(self, block_hashes: np.ndarray | Iterable[int], now_ms: int) -> np.ndarray:
+        """Feature rows (float32, one per hash, ``feature_names`` order) at ``now_ms``."""
+        return self.features_for_slots(self.slot_of(block_hashes), now_ms)
+
+    def features_for_slots(self, slots: np.ndarray, now_ms: int) -> np.ndarray:
+        """Same as ``features_for`` for rows already looked up (-1 = unknown)."""
+        c = self._cols
+        at = c.at
+        k = self._k
+        sl = np.asarray(slots, dtype=np.intp)
+        n = sl.shape[0]
+        out = np.empty((n, len(self.feature_names)), dtype=np.float32)
+        known = sl >= 0
+        all_known = bool(known.all())
+        if not all_known:
+            sl = np.where(known, sl, 0)
+        I = self._i64.take(sl, axis=0)  # noqa: E741
+        J = self._i32.take(sl, axis=0)
+        U = self._u8.take(sl, axis=0)
+        cnt = J[:, _COUNT]
+        dt = now_ms - I[:, _LAST]
+        out[:, at["known"]] = 1.0
+        F = self._f32.take(sl, axis=0)
+        # A block read c times has c - 1 gaps; the rest of the shift register is noise.
+        valid = self._gap_rank[None, :] < (cnt[:, None] - 1)
+        out[:, c.gap0 : c.gap0 + k] = np.where(valid, F[:, :k], MISSING)
+        scale = self._dec_scale(now_ms)
+        out[:, c.dec0 : c.dec0 + scale.shape[0]] = F[:, k:] * scale
+        out[:, at["access_count"]] = cnt
+        out[:, at["age_ms"]] = now_ms - I[:, _FIRST]
+        out[:, at["time_since_last_access_ms"]] = dt
+        out[:, at["requests_since_last_access"]] = self.num_requests - J[:, _REQORD]
+        depth = J[:, _DEPTH]
+        reqlen = J[:, _REQLEN]
+        out[:, at["depth"]] = depth
+        out[:, at["last_request_num_blocks"]] = reqlen
+        out[:, at["blocks_to_tail"]] = reqlen - 1 - depth
+        out[:, at["ever_tail"]] = U[:, _FLAGS] & _FLAG_EVER_TAIL
+        out[:, at["last_request_input_tokens"]] = J[:, _INTOK]
+        out[:, at["last_request_output_tokens"]] = J[:, _OUTTOK]
+        out[:, at["last_request_hit_fraction"]] = J[:, _HITLEN] / np.maximum(reqlen, 1)
+        out[:, at["turn_index"]] = J[:, _TURN]
+        out[:, at["num_children"]] = J[:, _NCHILD]
+        # _CHILD and _EXT hold ts + 1, so a zeroed row means "never".
+        child = I[:, _CHILD]
+        out[:, at["time_since_child_access_ms"]] = np.where(child > 0, now_ms + 1 - child, MISSING)
+        ext = I[:, _EXT]
+        out[:, at["time_since_extended_ms"]] = np.where(ext > 0, now_ms + 1 - ext, MISSING)
+        parent = J[:, _PARENT]
+        has_parent = parent >= 0
+        ps = np.where(has_parent, parent, 0)
+        out[:, at["parent_time_since_last_access_ms"]] = np.where(
+            has_parent, now_ms - self._i64[ps, _LAST], MISSING
+        )
+        out[:, at["parent_access_count"]] = np.where(has_parent, self._i32[ps, _COUNT], MISSING)
+        root = J[:, _ROOT]
+        has_root = root >= 0
+        rs = np.where(has_root, root, 0)
+        rj = self._i32.take(rs, axis=0)
+        rext = self._i64[rs, _EXT]
+        root_dec = self._f32[rs, k + self._root_hl] * scale[self._root_hl]
+        out[:, at["root_num_children"]] = np.where(has_root, rj[:, _NCHILD], MISSING)
+        out[:, at["root_access_count"]] = np.where(has_root, rj[:, _COUNT], MISSING)
+        out[:, at[_ROOT_DECAYED_NAME]] = np.where(has_root, root_dec, MISSING)
+        out[:, at["root_time_since_extended_ms"]] = np.where(
+            has_root & (rext > 0), now_ms + 1 - rext, MISSING
+        )
+        out[:, at["tier_rank"]] = _TIER_RANK_OF_MASK[U[:, _TIERS] & 15]
+        if not all_known:
+            unknown = ~known
+            out[unknown] = MISSING
+            out[unknown, at["known"]] = 0.0
+            out[unknown, at["tier_rank"]] = NO_TIER_RANK
+        self._fill_request_level(out, now_ms)
+        return out
+
+    def _fill_request_level(self, out: np.ndarray, now_ms: int) -> None:
+        at = self._cols.at
+        dt_s = (now_ms - self.clock_ms) / 1000.0
+        for hl, count in zip(self._rate_hl_s, self._req_counts, strict=True):
+            out[:, at[f"request_rate_per_s_hl_{hl:g}s"]] = count * 2.0 ** (-dt_s / hl) * _LN2 / hl
+        blocks = self._block_count * 2.0 ** (-dt_s / _BLOCK_RATE_HALF_LIFE_S)
+        out[:, at["block_access_rate_per_s_hl_60s"]] = blocks * _LN2 / _BLOCK_RATE_HALF_LIFE_S
+
+    # --- memory ----------------------------------------------------------------------
+
+    def bytes_per_tracked_block(self) -> float:
+        """Bytes one tracked block costs: its array row, plus its dict entry and the key
+        and value int objects (measured on up to 1,000 entries). Spare rows allocated
+        ahead of need are not counted (arrays grow by doubling up to the cap)."""
+        row = sum(a.itemsize * (a.shape[1] if a.ndim == 2 else 1) for a in self._arrays())
+        n = len(self._index)
+        if n == 0:
+            return float(row)
+        table = sys.getsizeof(self._index) / n
+        sample = list(self._index.items())[:1000]
+        # Ints up to 256 are cached singletons: they cost nothing per entry.
+        objs = sum(
+            (sys.getsizeof(h) if h > 256 else 0) + (sys.getsizeof(s) if s > 256 else 0)
+            for h, s in sample
+        )
+        return float(row + table + objs / len(sample))
+
+    def allocated_bytes(self) -> int:
+        """Bytes held by the arrays (every allocated row) and the index dict's table."""
+        return sum(a.nbytes for a in self._arrays()) + sys.getsizeof(self._index)
