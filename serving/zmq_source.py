@@ -29,7 +29,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import Counter, deque
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -221,7 +221,10 @@ class ZmqSubscriber:
         replay_timeout_ms: int = DEFAULT_REPLAY_TIMEOUT_MS,
         rcv_hwm: int = DEFAULT_RCV_HWM,
         context: zmq.Context[Any] | None = None,
+        resume_after: Mapping[str, int] | None = None,
     ) -> None:
+        """``resume_after``: engine id -> last sequence already handled by a previous
+        run; what the engine published since is requested from its replay buffer."""
         if not engines:
             raise ValueError("ZmqSubscriber needs at least one engine endpoint")
         self.engines = list(engines)
@@ -240,7 +243,9 @@ class ZmqSubscriber:
             sock.connect(engine.endpoint)
             self._subs[engine.engine_id] = sock
             self._poller.register(sock, zmq.POLLIN)
-            self.streams[engine.engine_id] = EngineStreamStats()
+            self.streams[engine.engine_id] = EngineStreamStats(
+                last_seq=(resume_after or {}).get(engine.engine_id)
+            )
         self._closed = False
 
     def receive(self, max_batches: int, timeout_ms: int) -> list[EngineBatch]:
