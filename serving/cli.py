@@ -24,6 +24,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "bench": ("serving.bench_cli:bench", "Run benchmarks (ratios against same-process baselines)."),
     "kafka": ("serving.kafka_cli:kafka", "Run a local Kafka broker: up, down, status, fetch."),
     "produce": ("serving.kafka_cli:produce", "Replay a trace into a Kafka topic (real time, scaled, capped)."),
+    "bridge": ("serving.bridge:bridge", "Forward vLLM/SGLang KV events from ZMQ into Kafka."),
 }
 
 
