@@ -8,6 +8,9 @@ Primitives:
 - ``next_access_index(block_ids)``: for every access, the index of the next access
   of the same block (``len`` when there is none). Belady and the oracle policy need
   this; nothing else may see it.
+- ``next_access_time(ts_ms, nxt)``: the same as a timestamp (``NEVER`` if none).
+- ``next_access_from(block_ids, query_ids, query_pos)``: the next access of a block
+  at or after any position (labels of snapshot samples in ``training.dataset``).
 """
 
 from __future__ import annotations
@@ -92,3 +95,18 @@ def next_access_time(ts_ms: np.ndarray, nxt: np.ndarray) -> np.ndarray:
     has = nxt < n
     out[has] = ts_ms[nxt[has]]
     return out
+
+
+def next_access_from(block_ids: np.ndarray, query_ids: np.ndarray, query_pos: np.ndarray) -> np.ndarray:
+    """For each query (dense block id, position p): the index of the first access of
+    that block at an index >= p, or ``len(block_ids)`` if none. Snapshot samples taken
+    after ``p`` accesses were observed ask this with their block and ``p``."""
+    n = block_ids.shape[0]
+    order = np.argsort(block_ids, kind="stable")  # by block, then by position
+    ids_sorted = block_ids[order]
+    key = ids_sorted.astype(np.int64) * (n + 1) + order
+    q = np.asarray(query_ids, dtype=np.int64) * (n + 1) + np.asarray(query_pos, dtype=np.int64)
+    j = np.searchsorted(key, q, side="left")
+    jc = np.minimum(j, max(n - 1, 0))
+    hit = (j < n) & (ids_sorted[jc] == query_ids) if n else np.zeros(q.shape[0], dtype=bool)
+    return np.where(hit, order[jc] if n else 0, n).astype(np.int64)

@@ -455,6 +455,10 @@ class FeatureState:
         """Hashes of every tracked block (uint64), in row order."""
         return self._hash[self.tracked_slots()]
 
+    def hashes_of_slots(self, slots: np.ndarray) -> np.ndarray:
+        """Hashes (uint64) held in these rows (e.g. ``last_request_slots``)."""
+        return self._hash[slots]
+
     # --- cheap accessors for baseline policies -------------------------------------
 
     def last_access_ms(self, block_hashes: np.ndarray | Iterable[int]) -> np.ndarray:
