@@ -62,6 +62,7 @@ class Sidecar:
         prefetch_interval_ms: int = 1_000,
         recent_requests: int = 64,
         prefetch: bool = True,
+        prefetch_levels: int = 2,
     ) -> None:
         if getattr(policy, "needs_future", False) and not getattr(policy, "replay_only_ok", False):
             # The oracle reads the future: only a replay may run it, and it says so by
@@ -74,6 +75,7 @@ class Sidecar:
         self.placement = placement
         self.prefetch_enabled = prefetch and placement.num_tiers > 1
         self.prefetch_interval_ms = prefetch_interval_ms
+        self.prefetch_levels = prefetch_levels
         self.recent: deque[tuple[int, ...]] = deque(maxlen=recent_requests)
         self.hooks: list[MovesHook] = []
         self.stats = LoopStats()
@@ -118,7 +120,11 @@ class Sidecar:
             return []
         self._last_prefetch_ms = now_ms
         candidates = list(dict.fromkeys(b for chain in self.recent for b in chain))
-        moves = self.planner.prefetch(self.placement, candidates, self.score, now_ms)
+        moves: list[Move] = []
+        # Fill each tier from the ones below it, slowest last: a block predicted to
+        # return soon climbs as far as it outscores the residents it would displace.
+        for target in range(min(self.prefetch_levels, self.placement.num_tiers - 1)):
+            moves += self.planner.prefetch(self.placement, candidates, self.score, now_ms, target)
         if moves:
             self._emit(None, moves, now_ms)
         return moves
