@@ -14,7 +14,7 @@ Primitives (all thread-safe; ``block_id`` is an int hash or a safe string id, se
 - ``used_bytes`` / ``capacity_bytes``: payload bytes held / allowed.
 
 Helpers with default implementations: ``read_with_checksum`` (moves pass the
-source's CRC32 on to the destination so it is computed once), ``keys``, ``size_of``,
+source's CRC32 on to the destination so it is computed once), ``block_keys``, ``size_of``,
 ``recover`` (called once at executor start: drop temp files, rebuild the index,
 quarantine corrupt blocks) and ``close``.
 
@@ -163,7 +163,7 @@ class Tier(ABC):
     def size_of(self, block_id: BlockId) -> int | None:
         return self._sizes.get(block_key(block_id))
 
-    def keys(self) -> list[str]:
+    def block_keys(self) -> list[str]:
         """Keys of committed blocks (a snapshot)."""
         with self._lock:
             return list(self._sizes)

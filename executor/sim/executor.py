@@ -11,8 +11,9 @@ Replay-facing calls (``now_ms`` is simulated time in ms, float):
   at no transfer cost (initial state, or KV the engine just computed).
 - ``evict(block, tier=None) -> bool``: drop it (a pinned block stays).
 - ``schedule_transfer(block, from_tier, to_tier, now_ms, kind="prefetch") -> float | None``:
-  move it; returns when it is usable at ``to_tier``, or None if there is no room and
-  ``on_full="refuse"`` (or everything there is pinned).
+  move it; returns when it is usable at ``to_tier``, or None when refused: no room
+  (``on_full="refuse"``, or everything there pinned) or, for ``kind="prefetch"``, the
+  prefetch budget of a channel on the way is spent.
 - ``load_for_request(blocks, now_ms, num_tokens=None) -> RequestLoad``: bring a
   request's prefix-ordered blocks into HBM (demand transfers from wherever they
   are), recompute the rest, and say when the request's KV is complete.
@@ -100,6 +101,9 @@ class SimStats:
     num_dropped: dict[str, int]
     """tier -> blocks dropped out of the hierarchy to make room."""
     num_refused: int
+    """Moves refused for lack of room."""
+    num_over_budget: int
+    """Prefetches refused by a tier's prefetch budget."""
     num_requests: int
     num_missing_blocks: int
     num_prefill_tokens: int
@@ -175,6 +179,7 @@ class SimulatedExecutor:
         self._num_hits = [0] * n
         self._num_dropped = [0] * n
         self._num_refused = 0
+        self._num_over_budget = 0
         self._num_requests = 0
         self._num_missing = 0
         self._num_prefill_tokens = 0
@@ -233,6 +238,7 @@ class SimulatedExecutor:
             num_hit_blocks=dict(zip(names, self._num_hits, strict=True)),
             num_dropped=dict(zip(names, self._num_dropped, strict=True)),
             num_refused=self._num_refused,
+            num_over_budget=self._num_over_budget,
             num_requests=self._num_requests,
             num_missing_blocks=self._num_missing,
             num_prefill_tokens=self._num_prefill_tokens,
@@ -290,7 +296,8 @@ class SimulatedExecutor:
     ) -> float | None:
         """Move ``block`` from ``from_tier`` (None: wherever it is) to ``to_tier``,
         sharing each channel with the transfers already booked. Returns the time the
-        block is usable at ``to_tier``; None when there is no room there (refused).
+        block is usable at ``to_tier``; None when refused (no room there, or a
+        prefetch over budget).
         Raises ``SimulationError`` when the block is not cached or not at ``from_tier``."""
         t = self._tier_of.get(block)
         if t is None:
@@ -337,7 +344,10 @@ class SimulatedExecutor:
                 moved = self._move(block, t, 0, now_ms, _DEMAND)
                 # No room in HBM even after making room: stream it through for this
                 # request without keeping it.
-                ready = moved if moved is not None else self._book(block, t, 0, now_ms, _DEMAND)
+                if moved is None:
+                    moved = self._book(block, t, 0, now_ms, _DEMAND)
+                    assert moved is not None  # demand is never refused by a budget
+                ready = moved
             hits[t] += 1
             if ready > load_ready:
                 load_ready = ready
@@ -419,7 +429,7 @@ class SimulatedExecutor:
             block, t, dst, now, _PREFETCH if decision.action == "promote" else _DEMOTE
         )
         if done is None:
-            return out("skipped", f"no room in {decision.to_tier}")
+            return out("skipped", f"no room in {decision.to_tier} or prefetch budget spent")
         return out("applied", "", done)
 
     # -- internals ----------------------------------------------------------------------
@@ -431,15 +441,22 @@ class SimulatedExecutor:
                 f"unknown tier {name!r}; this simulation has {self.tier_names}"
             ) from None
 
-    def _book(self, block: Hashable, src: int, dst: int, now_ms: float, kind: int) -> float:
-        """Book channels and count bytes; no state change."""
+    def _book(self, block: Hashable, src: int, dst: int, now_ms: float, kind: int) -> float | None:
+        """Book channels and count bytes; no placement change. None: a prefetch the
+        budget refuses."""
         size = self._sizes.get(block, self.block_bytes)
         start = self._ready_ms.get(block, 0.0)
         if start < now_ms:
             start = now_ms
-        prefetch = kind == _PREFETCH
-        done = self._channels[src].read.book(start, size, prefetch)
-        written = self._channels[dst].write.book(start, size, prefetch)
+        read, write = self._channels[src].read, self._channels[dst].write
+        if kind == _PREFETCH:
+            if not (read.admits_prefetch(start, size) and write.admits_prefetch(start, size)):
+                self._num_over_budget += 1
+                return None
+            read.charge_prefetch(start, size)
+            write.charge_prefetch(start, size)
+        done = read.book(start, size)
+        written = write.book(start, size)
         if written > done:
             done = written
         self._bytes_read[src][kind] += size
@@ -449,6 +466,12 @@ class SimulatedExecutor:
 
     def _move(self, block: Hashable, src: int, dst: int, now_ms: float, kind: int) -> float | None:
         size = self._sizes.get(block, self.block_bytes)
+        if kind == _PREFETCH:
+            start = max(now_ms, self._ready_ms.get(block, 0.0))
+            read, write = self._channels[src].read, self._channels[dst].write
+            if not (read.admits_prefetch(start, size) and write.admits_prefetch(start, size)):
+                self._num_over_budget += 1
+                return None
         # While room is made (which can cascade down the tiers), this block must not
         # itself be chosen as a victim.
         self._busy.add(block)
@@ -460,6 +483,7 @@ class SimulatedExecutor:
             self._num_refused += 1
             return None
         done = self._book(block, src, dst, now_ms, kind)
+        assert done is not None
         del self._lru[src][block]
         self._used[src] -= size
         self._lru[dst][block] = None

@@ -11,7 +11,7 @@ empty source, so a number can never lose its provenance. Layout::
                               capacity_bytes, read_serial_bytes_per_s,
                               read_parallel_bytes_per_s, write_serial_bytes_per_s,
                               write_parallel_bytes_per_s, parallelism, latency_ms,
-                              prefetch_share
+                              prefetch_share, prefetch_burst_ms
 
 Bandwidths and capacities are for the whole node (all tensor-parallel ranks
 together): a KV block is split across the TP ranks and its shards move in parallel.
@@ -73,6 +73,7 @@ class TierTiming:
     parallelism: int
     latency_ms: float
     prefetch_share: float
+    prefetch_burst_ms: float
 
     def channels(self) -> TierChannels:
         """Fresh (idle) read and write channels for this tier."""
@@ -84,6 +85,7 @@ class TierTiming:
                 parallelism=self.parallelism,
                 latency_ms=self.latency_ms,
                 prefetch_share=self.prefetch_share,
+                prefetch_burst_ms=self.prefetch_burst_ms,
             )
 
         return TierChannels(
@@ -143,6 +145,7 @@ _TIER_UNITS = {
     "parallelism": "count",
     "latency_ms": "ms",
     "prefetch_share": "fraction",
+    "prefetch_burst_ms": "ms",
 }
 _INT_FIELDS = {
     "num_layers",

@@ -6,21 +6,23 @@ A ``Channel`` is one direction of one tier (reads out of NVMe, writes into DRAM.
   after a fixed per-operation ``latency_ms``;
 - one shared link at the *parallel* (aggregate) rate, a FIFO fluid queue: every
   transfer's bytes are booked on it in order;
-- for prefetch traffic only, a budget queue at ``prefetch_share`` x the parallel
-  rate, so prefetch can never take more than that share of the link over time.
+- for prefetch traffic only, an admission budget: a token bucket filled at
+  ``prefetch_share`` x the parallel rate holding at most ``prefetch_burst_ms`` of it.
+  A prefetch that finds the bucket short is refused (a late prefetch is worthless, and
+  queueing it would only delay demand reads), exactly like the real executor's
+  ``TokenBucket``. So prefetch takes at most that share of the link over time.
 
 A transfer of ``b`` bytes booked at ``t`` completes at::
 
-    lane  = max(t, earliest free lane) + latency_ms + b / serial_rate
-    link  = max(t, link free)          + b / parallel_rate
-    quota = max(t, budget free)        + b / (prefetch_share * parallel_rate)  # prefetch only
-    done  = max(lane, link, quota)
+    lane = max(t, earliest free lane) + latency_ms + b / serial_rate
+    link = max(t, link free)          + b / parallel_rate
+    done = max(lane, link)
 
 One transfer on an idle channel takes ``latency_ms + b / serial_rate`` (the 0.98 GB/s
 cold read); many at once finish at the aggregate rate (the 5.23 GB/s parallel read).
-Demand and prefetch share the lanes and the link in booking order: a demand read
-queues behind prefetch already booked (a FIFO device queue, the pessimistic case for
-prefetching). Completion times are fixed when booked (later bookings never delay
+Demand and admitted prefetch share the lanes and the link in booking order: a demand
+read queues behind prefetch already booked (a FIFO device queue, the pessimistic case
+for prefetching). Completion times are fixed when booked (later bookings never delay
 earlier ones), which keeps every booking O(log parallelism).
 
 A move from tier A to tier B books A's read channel and B's write channel and
@@ -44,6 +46,7 @@ class Channel:
         "_ms_per_byte_serial",
         "_ms_per_byte_parallel",
         "_ms_per_byte_budget",
+        "prefetch_burst_ms",
         "_lanes",
         "_link_free_ms",
         "_budget_free_ms",
@@ -57,6 +60,7 @@ class Channel:
         parallelism: int,
         latency_ms: float,
         prefetch_share: float = 1.0,
+        prefetch_burst_ms: float = 1000.0,
     ) -> None:
         if not 0 < serial_bytes_per_s <= parallel_bytes_per_s:
             raise ValueError(
@@ -72,7 +76,10 @@ class Channel:
         self.parallel_bytes_per_s = parallel_bytes_per_s
         self.parallelism = parallelism
         self.latency_ms = latency_ms
+        if prefetch_burst_ms < 0:
+            raise ValueError(f"prefetch_burst_ms must be >= 0, got {prefetch_burst_ms}")
         self.prefetch_share = prefetch_share
+        self.prefetch_burst_ms = prefetch_burst_ms
         self._ms_per_byte_serial = MS_PER_S / serial_bytes_per_s
         self._ms_per_byte_parallel = MS_PER_S / parallel_bytes_per_s
         self._ms_per_byte_budget = (
@@ -86,7 +93,23 @@ class Channel:
         self._link_free_ms = 0.0
         self._budget_free_ms = 0.0
 
-    def book(self, now_ms: float, size_bytes: int, prefetch: bool = False) -> float:
+    def admits_prefetch(self, now_ms: float, size_bytes: int) -> bool:
+        """Whether the prefetch budget has room for ``size_bytes`` now (no change)."""
+        if not self._ms_per_byte_budget:
+            return True
+        backlog = self._budget_free_ms - now_ms
+        return (
+            backlog + size_bytes * self._ms_per_byte_budget <= self.prefetch_burst_ms
+            or backlog <= 0
+        )
+
+    def charge_prefetch(self, now_ms: float, size_bytes: int) -> None:
+        """Take ``size_bytes`` from the prefetch budget (after ``admits_prefetch``)."""
+        if self._ms_per_byte_budget:
+            start = now_ms if now_ms > self._budget_free_ms else self._budget_free_ms
+            self._budget_free_ms = start + size_bytes * self._ms_per_byte_budget
+
+    def book(self, now_ms: float, size_bytes: int) -> float:
         """Book a transfer of ``size_bytes`` starting no earlier than ``now_ms``;
         return its completion time in ms."""
         lane_free = self._lanes[0]
@@ -101,13 +124,6 @@ class Channel:
         self._link_free_ms = link
         if link > done:
             done = link
-        if prefetch and self._ms_per_byte_budget:
-            quota = (
-                now_ms if now_ms > self._budget_free_ms else self._budget_free_ms
-            ) + size_bytes * self._ms_per_byte_budget
-            self._budget_free_ms = quota
-            if quota > done:
-                done = quota
         heapq.heapreplace(self._lanes, done)
         return done
 

@@ -1,0 +1,152 @@
+"""The executor's journal: a small append-only file that makes decisions idempotent
+across restarts and tells recovery which moves were in flight.
+
+Records, one JSON object per line:
+
+- ``{"b": move_id, "k": key, "f": src, "t": dst}``: a move is starting;
+- ``{"e": move_id}``: that move ended (either way) without finishing a decision;
+- ``{"d": decision_id, "s": status}``: a decision was handled (applied or skipped);
+  also ends the move of the same id. Failed decisions are not recorded, so a
+  redelivery retries them;
+- ``{"p": key, "on": true|false}``: a block was pinned or unpinned.
+
+A torn last line (crash mid-append) is ignored. ``compact`` rewrites the file
+atomically with only the remembered ids (the newest ``max_ids``) and the pins, after
+recovery has resolved every pending move. Appends go straight to the kernel
+(``os.write`` on an ``O_APPEND`` descriptor), so a killed process loses none;
+``fsync=True`` also survives power loss.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+from collections import OrderedDict
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+
+@dataclass(frozen=True)
+class PendingMove:
+    move_id: str
+    key: str
+    src: str
+    dst: str
+
+
+class Journal:
+    """``path=None`` keeps everything in memory (idempotence within one process only)."""
+
+    def __init__(self, path: str | Path | None, *, fsync: bool = True, max_ids: int = 1_000_000):
+        if max_ids < 1:
+            raise ValueError(f"max_ids must be >= 1, got {max_ids}")
+        self.path = Path(path) if path is not None else None
+        self.fsync = fsync
+        self.max_ids = max_ids
+        self._lock = threading.Lock()
+        self._done: OrderedDict[str, None] = OrderedDict()
+        self.pending: dict[str, PendingMove] = {}
+        self.pins: set[str] = set()
+        self.num_torn_lines = 0
+        self._fd: int | None = None
+        if self.path is not None:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            if self.path.exists():
+                self._load(self.path.read_bytes())
+            self._fd = os.open(
+                self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o644
+            )
+
+    def _load(self, raw: bytes) -> None:
+        for line in raw.splitlines():
+            try:
+                record = json.loads(line)
+            except ValueError:
+                self.num_torn_lines += 1
+                continue
+            if not isinstance(record, dict):
+                self.num_torn_lines += 1
+                continue
+            self._replay(record)
+
+    def _replay(self, record: dict[str, Any]) -> None:
+        if "b" in record:
+            self.pending[record["b"]] = PendingMove(
+                record["b"], record["k"], record["f"], record["t"]
+            )
+        elif "e" in record:
+            self.pending.pop(record["e"], None)
+        elif "d" in record:
+            self.pending.pop(record["d"], None)
+            self._remember(record["d"])
+        elif "p" in record:
+            if record.get("on"):
+                self.pins.add(record["p"])
+            else:
+                self.pins.discard(record["p"])
+
+    def _remember(self, decision_id: str) -> None:
+        self._done[decision_id] = None
+        self._done.move_to_end(decision_id)
+        while len(self._done) > self.max_ids:
+            self._done.popitem(last=False)
+
+    def _append(self, record: dict[str, Any]) -> None:
+        with self._lock:
+            self._replay(record)
+            if self._fd is None:
+                return
+            os.write(self._fd, json.dumps(record, separators=(",", ":")).encode() + b"\n")
+            if self.fsync:
+                os.fsync(self._fd)
+
+    # -- records ------------------------------------------------------------------
+    def is_done(self, decision_id: str) -> bool:
+        return decision_id in self._done
+
+    def begin_move(self, move_id: str, key: str, src: str, dst: str) -> None:
+        self._append({"b": move_id, "k": key, "f": src, "t": dst})
+
+    def end_move(self, move_id: str) -> None:
+        self._append({"e": move_id})
+
+    def decision_done(self, decision_id: str, status: str) -> None:
+        self._append({"d": decision_id, "s": status})
+
+    def set_pin(self, key: str, pinned: bool) -> None:
+        self._append({"p": key, "on": pinned})
+
+    # -- maintenance ----------------------------------------------------------------
+    def compact(self) -> None:
+        """Rewrite the file with the remembered ids and pins only; pending moves are
+        dropped, so call this after recovery has resolved them."""
+        with self._lock:
+            self.pending.clear()
+            if self.path is None:
+                return
+            lines = [json.dumps({"d": d, "s": "done"}, separators=(",", ":")) for d in self._done]
+            lines += [
+                json.dumps({"p": k, "on": True}, separators=(",", ":")) for k in sorted(self.pins)
+            ]
+            tmp = self.path.with_name(self.path.name + ".compact")
+            with open(tmp, "wb") as f:
+                f.write(("\n".join(lines) + "\n").encode() if lines else b"")
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, self.path)
+            dir_fd = os.open(self.path.parent, os.O_RDONLY | os.O_DIRECTORY)
+            try:
+                os.fsync(dir_fd)
+            finally:
+                os.close(dir_fd)
+            if self._fd is not None:
+                os.close(self._fd)
+            self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CLOEXEC)
+
+    def close(self) -> None:
+        with self._lock:
+            if self._fd is not None:
+                os.close(self._fd)
+                self._fd = None
