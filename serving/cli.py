@@ -25,6 +25,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "kafka": ("serving.kafka_cli:kafka", "Run a local Kafka broker: up, down, status, fetch."),
     "produce": ("serving.kafka_cli:produce", "Replay a trace into a Kafka topic (real time, scaled, capped)."),
     "bridge": ("serving.bridge:bridge", "Forward vLLM/SGLang KV events from ZMQ into Kafka."),
+    "replay": ("training.replay_cli:replay", "Replay a trace: every policy vs baselines and the oracle."),
+    "demo": ("training.replay_cli:demo", "The main job on a generated workload: train, replay, report."),
 }
 
 

@@ -1,0 +1,336 @@
+"""``kvwarm replay`` and ``kvwarm demo``: the evaluation and the main job."""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import click
+import numpy as np
+
+from features.decoders import RejectLog, TraceFormatError, read_trace
+from features.events import BlocksAccessed
+from features.stats_cli import parse_fractions
+from predictor.base import Policy
+from training.report import (
+    DEFAULT_POLICIES,
+    LEARNED,
+    ComparisonConfig,
+    ComparisonReport,
+    format_single,
+    format_tiered,
+    run_comparison,
+    trace_checksum,
+)
+
+DEFAULT_OUT = Path("runs")
+
+
+def default_trainer(name: str, events: Sequence[BlocksAccessed]) -> Policy:
+    """Train a learned policy on ``events`` with the training module's defaults."""
+    from training.train import train_policy_on_events
+
+    return train_policy_on_events(name, events, progress=True)
+
+
+def _load_models(specs: tuple[str, ...]) -> dict[str, Policy]:
+    models: dict[str, Policy] = {}
+    for spec in specs:
+        name, sep, uri = spec.partition("=")
+        if not sep or name not in LEARNED:
+            raise click.BadParameter(f"{spec!r}: expected lightgbm=PATH_OR_URI or lstm=PATH_OR_URI")
+        from training.tracking import load_policy_uri
+
+        models[name] = load_policy_uri(uri)
+    return models
+
+
+def _jsonable(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {str(k): _jsonable(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_jsonable(v) for v in value]
+    if isinstance(value, (np.floating, float)):
+        return None if not np.isfinite(value) else float(value)
+    if isinstance(value, np.integer):
+        return int(value)
+    return value
+
+
+def write_outputs(
+    report: ComparisonReport,
+    out_dir: Path,
+    *,
+    trace_name: str,
+    checksum: str | None,
+    experiment: str | None,
+) -> dict[str, Any]:
+    """results.json + PNG plots in ``out_dir``; the same logged to MLflow unless
+    ``experiment`` is None. Returns what was written."""
+    from training import plots
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    data = _jsonable(report.to_dict())
+    data["trace"]["name"] = trace_name
+    data["trace"]["sha256"] = checksum
+    results = out_dir / "results.json"
+    results.write_text(json.dumps(data, indent=2))
+    figures = plots.write_plots(report, out_dir)
+    written: dict[str, Any] = {
+        "results": str(results),
+        "plots": [str(out_dir / n) for n in figures],
+    }
+    if experiment:
+        from training.tracking import tracked_run
+
+        with tracked_run(experiment, run_name=f"replay-{trace_name}") as run:
+            run.log_params(
+                {
+                    **{k: v for k, v in data["config"].items()},
+                    "trace": trace_name,
+                    "trace_sha256": checksum or "",
+                }
+            )
+            metrics: dict[str, float] = {}
+            for row in data["single"]:
+                tag = f"{row['capacity'] * 100:g}pct"
+                for name, value in row["policies"].items():
+                    metrics[f"single.{name}.hit_ratio.{tag}"] = value
+                for name, value in row["gap_closed"].items():
+                    if value is not None:
+                        metrics[f"single.{name}.gap_closed.{tag}"] = value
+            for row in data["tiered"]:
+                tag = f"{row['capacity'] * 100:g}pct"
+                metrics[f"tiered.{row['policy']}.ttft_p50_ms.{tag}"] = row["ttft_ms"]["p50"]
+                metrics[f"tiered.{row['policy']}.throughput_rps.{tag}"] = row["throughput_rps"]
+            run.log_metrics({k: v for k, v in metrics.items() if v is not None})
+            run.log_dict(data, "results.json")
+            for name, fig in figures.items():
+                run.log_figure(fig, name)
+            written["mlflow_run_id"] = run.run_id
+            written["tracking_uri"] = run.tracking_uri
+    plots.close(figures)
+    return written
+
+
+def _run(
+    events: list[BlocksAccessed],
+    config: ComparisonConfig,
+    *,
+    models: dict[str, Policy],
+    out_dir: Path,
+    trace_name: str,
+    checksum: str | None,
+    experiment: str | None,
+) -> ComparisonReport:
+    def progress(message: str) -> None:
+        click.echo(f"[{time.strftime('%H:%M:%S')}] {message}", err=True)
+
+    report = run_comparison(
+        events, config, trainer=default_trainer, trained=models, progress=progress
+    )
+    click.echo("")
+    click.echo(format_single(report))
+    click.echo("")
+    click.echo(format_tiered(report))
+    written = write_outputs(
+        report, out_dir, trace_name=trace_name, checksum=checksum, experiment=experiment
+    )
+    click.echo("")
+    click.echo(f"results: {written['results']}")
+    for plot in written["plots"]:
+        click.echo(f"plot:    {plot}")
+    if "mlflow_run_id" in written:
+        click.echo(f"MLflow run {written['mlflow_run_id']} in {written['tracking_uri']}")
+        click.echo(f"open it with: mlflow ui --backend-store-uri {written['tracking_uri']}")
+    click.echo(f"took {report.seconds:.0f} s")
+    return report
+
+
+_common = [
+    click.option(
+        "--policies",
+        default=",".join(DEFAULT_POLICIES),
+        show_default=True,
+        help="Comma-separated policy names.",
+    ),
+    click.option(
+        "--capacities",
+        default="0.01,0.05,0.1",
+        show_default=True,
+        help="Fast-tier sizes as fractions of the replayed part's distinct blocks.",
+    ),
+    click.option(
+        "--train-fraction", type=click.FloatRange(0.0, 0.95), default=0.6, show_default=True
+    ),
+    click.option(
+        "--profile",
+        default=None,
+        help="Timing profile TOML (default: the bundled 480B TP8 profile).",
+    ),
+    click.option(
+        "--load",
+        type=click.FloatRange(0.05, 2.0),
+        default=0.9,
+        show_default=True,
+        help="Offered prefill load with nothing cached; sets the time scale.",
+    ),
+    click.option(
+        "--modes", default="single,tiered", show_default=True, help="single, tiered or both."
+    ),
+    click.option("--no-peers", is_flag=True, help="Skip the libCacheSim policies."),
+    click.option(
+        "--out",
+        "out_dir",
+        type=click.Path(file_okay=False, path_type=Path),
+        default=None,
+        help="Output folder (default runs/<time>-<name>).",
+    ),
+    click.option(
+        "--experiment",
+        default="kvwarm-replay",
+        show_default=True,
+        help="MLflow experiment; '' to skip MLflow.",
+    ),
+]
+
+
+def common_options(fn: Any) -> Any:
+    for option in reversed(_common):
+        fn = option(fn)
+    return fn
+
+
+def _config(
+    policies: str,
+    capacities: str,
+    train_fraction: float,
+    profile: str | None,
+    load: float,
+    modes: str,
+    no_peers: bool,
+) -> ComparisonConfig:
+    from predictor.registry import available_policies
+
+    names = tuple(p.strip() for p in policies.split(",") if p.strip())
+    unknown = [n for n in names if n not in available_policies()]
+    if unknown:
+        raise click.BadParameter(
+            f"unknown policies {unknown}; valid: {', '.join(available_policies())}"
+        )
+    mode_list = tuple(m.strip() for m in modes.split(",") if m.strip())
+    if not mode_list or any(m not in ("single", "tiered") for m in mode_list):
+        raise click.BadParameter(f"{modes!r}: modes are single and/or tiered")
+    return ComparisonConfig(
+        policies=names,
+        capacities=parse_fractions(capacities),
+        train_fraction=train_fraction,
+        modes=mode_list,
+        profile=profile,
+        load=load,
+        peers=not no_peers,
+    )
+
+
+@click.command()
+@click.option(
+    "--trace", "trace", required=True, type=click.Path(dir_okay=False, exists=True, path_type=Path)
+)
+@click.option(
+    "--model",
+    "models",
+    multiple=True,
+    help="Use a trained model instead of training: lightgbm=PATH|models:/NAME@ALIAS.",
+)
+@common_options
+def replay(
+    trace: Path,
+    models: tuple[str, ...],
+    policies: str,
+    capacities: str,
+    train_fraction: float,
+    profile: str | None,
+    load: float,
+    modes: str,
+    no_peers: bool,
+    out_dir: Path | None,
+    experiment: str,
+) -> None:
+    """Replay a trace through the sidecar loop for every policy and capacity, in the
+    single-tier and tiered-with-prefetch settings; train the learned policies on the
+    first part of the trace by time unless models are given."""
+    config = _config(policies, capacities, train_fraction, profile, load, modes, no_peers)
+    rejects = RejectLog()
+    try:
+        events = list(read_trace(trace, rejects=rejects))
+    except TraceFormatError as exc:
+        raise click.ClickException(str(exc)) from None
+    if rejects.total:
+        click.echo(f"{rejects.total} rows rejected: {dict(rejects.counts)}", err=True)
+    name = trace.name.split(".")[0]
+    out = out_dir or DEFAULT_OUT / f"{time.strftime('%Y%m%d-%H%M%S')}-{name}"
+    _run(
+        events,
+        config,
+        models=_load_models(models),
+        out_dir=out,
+        trace_name=trace.name,
+        checksum=trace_checksum(trace),
+        experiment=experiment or None,
+    )
+
+
+@click.command()
+@click.option(
+    "--requests", "num_requests", type=click.IntRange(min=500), default=8000, show_default=True
+)
+@click.option("--seed", type=int, default=0, show_default=True)
+@click.option(
+    "--profile-mix",
+    "mix",
+    default="mixed",
+    show_default=True,
+    help="Workload profile of the generator.",
+)
+@common_options
+def demo(
+    num_requests: int,
+    seed: int,
+    mix: str,
+    policies: str,
+    capacities: str,
+    train_fraction: float,
+    profile: str | None,
+    load: float,
+    modes: str,
+    no_peers: bool,
+    out_dir: Path | None,
+    experiment: str,
+) -> None:
+    """The main job on an embedded default: generate a workload, train LightGBM and
+    the LSTM, replay every policy against the baselines and the oracle, print the
+    tables, write the plots and log everything to MLflow."""
+    from features.generator import generate_to_file, params_for
+
+    config = _config(policies, capacities, train_fraction, profile, load, modes, no_peers)
+    out = out_dir or DEFAULT_OUT / f"{time.strftime('%Y%m%d-%H%M%S')}-demo"
+    trace = generate_to_file(
+        params_for(mix, num_requests=num_requests, seed=seed), out / f"{mix}-{num_requests}.jsonl"
+    )
+    click.echo(f"generated {num_requests:,} requests ({mix}, seed {seed}) in {trace}", err=True)
+    events = list(read_trace(trace))
+    _run(
+        events,
+        config,
+        models={},
+        out_dir=out,
+        trace_name=trace.name,
+        checksum=trace_checksum(trace),
+        experiment=experiment or None,
+    )
+    if sys.stdout.isatty():
+        click.echo(f"\nopen the plots: ls {out}/*.png")

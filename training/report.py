@@ -1,0 +1,307 @@
+"""The replay comparison: every policy, every capacity, both modes, one run.
+
+``run_comparison(events, config)`` splits the trace by time, trains the learned
+policies on the first part (or loads given models), then replays the rest through the
+sidecar loop for every policy and capacity:
+
+- single tier (demand caching): hit ratios of kvwarm's policies through the planner,
+  exact LRU / Belady / Belady-with-bypass on the same block sequence, and
+  libCacheSim's policies on the same sequence; share of the LRU-to-Belady gap closed.
+- tiered with prefetch: TTFT percentiles, throughput, per-tier hit ratios, bytes
+  moved, prefetch precision and timeliness, against "no prewarm" (LRU, loads booked
+  when the request is scheduled) and with the oracle as the upper reference.
+
+Results are plain dicts (``ComparisonReport.to_dict``) so they go to JSON, MLflow and
+the README table unchanged.
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import logging
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from executor.sim.profile import Profile, load_profile
+from features.annotate import access_arrays
+from features.events import BlocksAccessed
+from predictor.base import Policy
+from predictor.oracle import FutureAccesses
+from predictor.registry import make_policy
+from training.replay import (
+    distinct_blocks,
+    gap_closed,
+    reference_hit_ratios,
+    replay_single_tier,
+    rescale_time,
+    split_events,
+    spread_ties,
+    time_scale_for_load,
+)
+from training.tiered import TieredResult, TieredSetup, replay_tiered
+
+log = logging.getLogger(__name__)
+
+LEARNED = ("lightgbm", "lstm")
+DEFAULT_POLICIES = ("lru", "lfu", "prefix_lru", "lightgbm", "lstm", "oracle")
+NO_PREWARM = "no_prewarm"
+
+Trainer = Callable[[str, Sequence[BlocksAccessed]], Policy]
+"""(policy name, training events) -> a trained policy (state empty or not: it is
+given the training events to observe before replay either way)."""
+
+
+@dataclass
+class ComparisonConfig:
+    policies: tuple[str, ...] = DEFAULT_POLICIES
+    capacities: tuple[float, ...] = (0.01, 0.05, 0.1)
+    train_fraction: float = 0.6
+    modes: tuple[str, ...] = ("single", "tiered")
+    profile: str | None = None
+    load: float = 0.9
+    """Offered prefill load of one node if nothing were cached: sets the time scale."""
+    peers: bool = True
+    eviction_sample: int = 64
+    seed: int = 0
+
+
+@dataclass
+class ComparisonReport:
+    config: dict[str, Any]
+    trace: dict[str, Any]
+    single: list[dict[str, Any]] = field(default_factory=list)
+    tiered: list[dict[str, Any]] = field(default_factory=list)
+    training: dict[str, Any] = field(default_factory=dict)
+    tiered_ttft: dict[str, Any] = field(default_factory=dict)  # (policy, capacity) -> ttft array
+    seconds: float = 0.0
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "config": self.config,
+            "trace": self.trace,
+            "training": self.training,
+            "single": self.single,
+            "tiered": self.tiered,
+            "seconds": self.seconds,
+        }
+
+
+def trace_checksum(path: str | Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as fh:
+        for chunk in iter(lambda: fh.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def _fresh(
+    name: str,
+    trained: dict[str, Policy],
+    future: FutureAccesses,
+    warm: dict[str, Policy],
+    train: Sequence[BlocksAccessed],
+) -> Policy:
+    """A policy that has observed the training part, copied from a warmed prototype."""
+    if name not in warm:
+        if name in trained:
+            policy = trained[name]
+            policy = policy.fresh_copy() if hasattr(policy, "fresh_copy") else copy.deepcopy(policy)
+        elif name == "oracle":
+            policy = make_policy("oracle", future=future)
+        else:
+            policy = make_policy(name)
+        if name == "oracle":
+            policy.replay_only_ok = True  # type: ignore[attr-defined]
+        policy.observe_many(train)
+        warm[name] = policy
+    clone = copy.deepcopy(warm[name])
+    if name == "oracle":
+        clone.replay_only_ok = True  # type: ignore[attr-defined]
+    return clone
+
+
+def run_comparison(
+    events: Sequence[BlocksAccessed],
+    config: ComparisonConfig,
+    *,
+    trainer: Trainer | None = None,
+    trained: dict[str, Policy] | None = None,
+    progress: Callable[[str], Any] | None = None,
+) -> ComparisonReport:
+    """Train (or take) the learned policies, replay every policy at every capacity."""
+    started = time.perf_counter()
+    say = progress or (lambda message: log.info(message))
+    profile: Profile = load_profile(config.profile)
+    events = spread_ties(list(events))
+    scale = time_scale_for_load(events, profile.model.prefill_ms, config.load)
+    events = rescale_time(events, scale)
+    train, test = split_events(events, config.train_fraction)
+    if not test:
+        raise ValueError("nothing left to replay: lower --train-fraction or give a longer trace")
+    num_distinct = distinct_blocks(test)
+    report = ComparisonReport(
+        config={**config.__dict__, "profile": profile.name, "time_scale": scale},
+        trace={
+            "requests": len(events),
+            "train_requests": len(train),
+            "replay_requests": len(test),
+            "replay_block_accesses": sum(len(e.block_hashes) for e in test),
+            "replay_distinct_blocks": num_distinct,
+        },
+    )
+    trained = dict(trained or {})
+    for name in config.policies:
+        if name in LEARNED and name not in trained:
+            if trainer is None:
+                raise ValueError(
+                    f"policy {name!r} needs training or a model, and no trainer was given"
+                )
+            say(f"training {name} on {len(train):,} requests")
+            t0 = time.perf_counter()
+            trained[name] = trainer(name, train)
+            report.training[name] = {"seconds": time.perf_counter() - t0}
+            size = getattr(trained[name], "model_size_bytes", None)
+            if callable(size):
+                report.training[name]["model_size_bytes"] = size()
+    future = (
+        FutureAccesses(access_arrays(events))
+        if "oracle" in config.policies
+        else FutureAccesses(access_arrays([]))
+    )
+    warm: dict[str, Policy] = {}
+    from serving.planner import PlannerParams
+
+    planner = PlannerParams(eviction_sample=config.eviction_sample, seed=config.seed)
+    for fraction in config.capacities:
+        capacity = max(1, int(fraction * num_distinct))
+        if "single" in config.modes:
+            say(f"single tier, capacity {fraction:g} ({capacity:,} blocks)")
+            refs = reference_hit_ratios(test, capacity)
+            rows: dict[str, float] = {}
+            seconds: dict[str, float] = {}
+            for name in config.policies:
+                result = replay_single_tier(
+                    _fresh(name, trained, future, warm, train),
+                    test,
+                    capacity,
+                    planner_params=planner,
+                )
+                rows[name] = result.hit_ratio
+                seconds[name] = result.seconds
+            peers: dict[str, Any] = {}
+            if config.peers:
+                peers = _peer_ratios(test, capacity)
+            report.single.append(
+                {
+                    "capacity": fraction,
+                    "capacity_blocks": capacity,
+                    "references": refs,
+                    "policies": rows,
+                    "policy_seconds": seconds,
+                    "peers": peers,
+                    "gap_closed": {
+                        name: gap_closed(v, refs["lru_exact"], refs["belady"])
+                        for name, v in {**rows, **peers.get("hit_ratios", {})}.items()
+                    },
+                }
+            )
+        if "tiered" in config.modes:
+            say(f"tiered with prefetch, HBM capacity {fraction:g} ({capacity:,} blocks)")
+            setup = TieredSetup(
+                profile=profile,
+                hbm_capacity_blocks=capacity,
+                planner=planner.model_copy(update={"min_residency_ms": 2_000}),
+            )
+            results: list[TieredResult] = [
+                replay_tiered(
+                    _fresh("lru", trained, future, warm, train),
+                    test,
+                    setup,
+                    prewarm=False,
+                    speculative=False,
+                    label=NO_PREWARM,
+                )
+            ]
+            for name in config.policies:
+                results.append(
+                    replay_tiered(_fresh(name, trained, future, warm, train), test, setup)
+                )
+            base = results[0]
+            base_p50 = base.ttft_percentiles()["p50"]
+            for r in results:
+                row = r.to_dict()
+                row["capacity"] = fraction
+                row["hbm_capacity_blocks"] = capacity
+                row["ttft_p50_change"] = (
+                    row["ttft_ms"]["p50"] / base_p50 - 1 if base_p50 else float("nan")
+                )
+                row["throughput_change"] = (
+                    r.throughput_rps / base.throughput_rps - 1
+                    if base.throughput_rps
+                    else float("nan")
+                )
+                report.tiered.append(row)
+                report.tiered_ttft[f"{r.policy}@{fraction:g}"] = r.ttft_ms
+    report.seconds = time.perf_counter() - started
+    return report
+
+
+def _peer_ratios(test: Sequence[BlocksAccessed], capacity: int) -> dict[str, Any]:
+    try:
+        from training.peers import peer_hit_ratios
+    except ImportError as exc:  # the module is optional at import time only
+        return {"unavailable": f"training.peers: {exc}"}
+    arrays = access_arrays(test)
+    result = peer_hit_ratios(arrays.block_ids, capacity)
+    return result if isinstance(result, dict) and "hit_ratios" in result else {"hit_ratios": result}
+
+
+# --- presentation -----------------------------------------------------------------
+
+
+def format_single(report: ComparisonReport) -> str:
+    if not report.single:
+        return ""
+    names = list(report.single[0]["policies"])
+    head = (
+        f"{'capacity':>8}  {'LRU':>7} {'Belady':>7}  "
+        + " ".join(f"{n:>10}" for n in names)
+        + "   best peer"
+    )
+    lines = ["Single tier, demand caching: hit ratio (share of the LRU-to-Belady gap closed)", head]
+    for row in report.single:
+        refs = row["references"]
+        cells = [
+            f"{row['policies'][n]:.4f}({row['gap_closed'][n] * 100:+.0f}%)".rjust(10) for n in names
+        ]
+        peer = row.get("peers", {}).get("hit_ratios", {})
+        best = max(peer.items(), key=lambda kv: kv[1]) if peer else None
+        best_text = f"{best[0]} {best[1]:.4f}" if best else "-"
+        lines.append(
+            f"{row['capacity'] * 100:>7g}%  {refs['lru_exact']:>7.4f} {refs['belady']:>7.4f}  "
+            + " ".join(cells)
+            + f"   {best_text}"
+        )
+    return "\n".join(lines)
+
+
+def format_tiered(report: ComparisonReport) -> str:
+    if not report.tiered:
+        return ""
+    lines = [
+        "Tiered with prefetch: TTFT (ms) and throughput vs no prewarm",
+        f"{'capacity':>8} {'policy':>11} {'p50':>7} {'p90':>7} {'p99':>7} {'p50 chg':>8} {'req/s':>6} {'thr chg':>8} {'hbm hit':>8} {'dram hit':>8} {'pf prec':>7}",
+    ]
+    for row in report.tiered:
+        t = row["ttft_ms"]
+        hits = row["hit_ratio_by_tier"]
+        lines.append(
+            f"{row['capacity'] * 100:>7g}% {row['policy']:>11} {t['p50']:>7.0f} {t['p90']:>7.0f} {t['p99']:>7.0f} "
+            f"{row['ttft_p50_change'] * 100:>+7.1f}% {row['throughput_rps']:>6.2f} {row['throughput_change'] * 100:>+7.1f}% "
+            f"{hits.get('hbm', 0):>8.3f} {hits.get('dram', 0):>8.3f} {row['prefetch_precision']:>7.2f}"
+        )
+    return "\n".join(lines)
