@@ -13,7 +13,6 @@ import click
 
 # name -> ("module:attribute", one-line help)
 BENCHES: dict[str, tuple[str, str]] = {
-    "serve": ("serving.serve_bench:serve_bench", "Sidecar block accesses/s and event-to-decision latency vs LRU."),
     "zmq": ("serving.zmq_bench:bench_zmq", "KV events/s from ZMQ (and bridged into Kafka) vs decode from memory."),
 }
 
