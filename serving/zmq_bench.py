@@ -491,8 +491,14 @@ def _bridge(payloads: list[bytes], bootstrap: str) -> tuple[Rate, Rate]:
     envvar="KVWARM_KAFKA_BOOTSTRAP",
     help="HOST:PORT of a broker for the bridge run (default: the `kvwarm kafka up` broker if running).",
 )
+@click.option("--no-kafka", is_flag=True, help="Skip the bridge run even if a broker is up.")
 def bench_zmq(
-    num_batches: int, blocks_per_batch: int, encoding: str, hashes: str, bootstrap: str | None
+    num_batches: int,
+    blocks_per_batch: int,
+    encoding: str,
+    hashes: str,
+    bootstrap: str | None,
+    no_kafka: bool,
 ) -> None:
     """Events/s decoded from a live ZMQ stream (and bridged into Kafka), against decoding
     the same payloads from memory in this process."""
@@ -515,10 +521,10 @@ def bench_zmq(
     click.echo(live.line(baseline))
     engine = stats["engines"]["e0"]
     click.echo(
-        f"{'':<34} gaps {engine['gaps']}, replayed {engine['replayed']}, unfilled {engine['unfilled']}, "
-        f"rejects {stats['rejects']}"
+        f"{'':<34} events {live.num_events:,}, gaps {engine['gaps']}, replayed "
+        f"{engine['replayed']}, unfilled {engine['unfilled']}, rejects {stats['rejects']}"
     )
-    address = _kafka_bootstrap(bootstrap)
+    address = None if no_kafka else _kafka_bootstrap(bootstrap)
     if address is None:
         click.echo(
             "bridge -> Kafka: skipped (no broker; start one with `kvwarm kafka up` or pass --kafka)"
