@@ -11,7 +11,13 @@ from features.decoders import decode_kv_event_batch
 from features.events import AllBlocksCleared, BlockRemoved, BlockStored, Tier
 from serving.sources import EventSource
 from serving.zmq_bench import POSITIONAL, TAGGED, EnginePublisher, VllmStructs, encode_batch
-from serving.zmq_source import Residency, ZmqEventSource
+from serving.zmq_source import (
+    EngineEndpoint,
+    Residency,
+    ZmqEventSource,
+    ZmqUrlError,
+    parse_zmq_url,
+)
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -321,3 +327,42 @@ def test_residency_links_and_removal():
     assert 4 not in view and view.root(4) is None and len(view) == 3
     view.apply(AllBlocksCleared(0))
     assert len(view) == 0 and view.tiers(1) == frozenset()
+
+
+def test_url_parsing_single_and_several_engines():
+    (one,) = parse_zmq_url("zmq://10.0.0.5:5557?topic=kv&replay=tcp://10.0.0.5:5558&engine=node1")
+    assert one == EngineEndpoint("node1", "tcp://10.0.0.5:5557", "tcp://10.0.0.5:5558", "kv")
+    (bare,) = parse_zmq_url("zmq://localhost:5557")
+    assert bare == EngineEndpoint("localhost:5557", "tcp://localhost:5557", None, "")
+    # Comma-separated hosts pair with comma-separated or repeated replay/engine values.
+    commas = parse_zmq_url("zmq://h:5557,h:5558?replay=h:5567,tcp://h:5568&engine=dp0,dp1")
+    repeats = parse_zmq_url("zmq://h:5557,h:5558?replay=h:5567&replay=h:5568&engine=dp0&engine=dp1")
+    assert commas == repeats
+    assert [(e.engine_id, e.endpoint, e.replay_endpoint) for e in commas] == [
+        ("dp0", "tcp://h:5557", "tcp://h:5567"),
+        ("dp1", "tcp://h:5558", "tcp://h:5568"),
+    ]
+    # Several URLs (a list, or whitespace-separated in one string): one engine each.
+    both = parse_zmq_url("zmq://a:1?engine=x zmq://b:2?topic=t&engine=y")
+    assert [(e.engine_id, e.topic) for e in both] == [("x", ""), ("y", "t")]
+    assert parse_zmq_url(["zmq://a:1?engine=x", "zmq://b:2?topic=t&engine=y"]) == both
+
+
+@pytest.mark.parametrize(
+    ("url", "message"),
+    [
+        ("tcp://h:5557", "not a zmq:// URL"),
+        ("zmq://", "names no HOST:PORT"),
+        ("zmq://h", "needs HOST:PORT"),
+        ("zmq://h:port", "needs HOST:PORT"),
+        ("zmq://h:1,h:2?engine=a", "1 engine value"),
+        ("zmq://h:1?replay=tcp://h:2,tcp://h:3", "2 replay value"),
+        ("zmq://h:1?replay=http://h:2", "use tcp://HOST:PORT"),
+        ("zmq://h:1?topc=kv", "unknown parameters"),
+        ("zmq://h:1?topic=a&topic=b", "topic= once"),
+        ("zmq://h:1 zmq://h:1", "unique"),
+    ],
+)
+def test_url_errors_say_what_to_write(url, message):
+    with pytest.raises(ZmqUrlError, match=message):
+        parse_zmq_url(url)
