@@ -65,8 +65,8 @@ def test_moves_report_each_outcome(tmp_path: Path, payload: Payload) -> None:
         ex.apply_one(decide(1, "demote", "remote", src="dram")).reason
         == "block is in nvme, not dram"
     )
-    assert (
-        "does not apply" in ex.apply_one(decide(1, "promote", "remote")).reason if False else True
+    assert ex.apply_one(decide(1, "promote", "remote")).reason == (
+        "block is in nvme; promote to remote does not apply"
     )
     assert ex.apply_one(decide(1, "demote", "dram")).status == "skipped"  # dram is faster than nvme
     assert ex.apply_one(decide(2, "promote", "dram")).reason == "not cached"
