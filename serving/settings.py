@@ -1,0 +1,346 @@
+"""``SidecarSettings``: the one frozen settings object of ``kvwarm serve``.
+
+Where a value comes from, highest priority first:
+
+1. keyword arguments (what ``kvwarm serve`` flags set),
+2. environment variables ``KVWARM_<FIELD>`` (nested planner fields:
+   ``KVWARM_PLANNER__EVICTION_SAMPLE``),
+3. a config file (TOML or YAML, by suffix) named by ``load_settings(config_path=...)``
+   or ``KVWARM_CONFIG``,
+4. the defaults below.
+
+Every field has a default, a constraint and a description. Secrets are ``SecretStr``:
+never printed, never logged. Kafka security (SASL/TLS) is not repeated here: it is read
+by ``serving.kafka_io.KafkaSecurity`` from ``KVWARM_KAFKA_*``.
+
+Endpoint specs are validated here, so a typo fails at start with the list of valid forms:
+
+- source: ``kafka://HOST:PORT/TOPIC`` | ``file:PATH`` | ``zmq://HOST:PORT[?...]``
+- model: a policy name (``lru``, ``lfu``, ``prefix_lru``), a saved-policy directory or
+  a model file inside one, or an MLflow URI (``models:/NAME@ALIAS``,
+  ``models:/NAME/VERSION``, ``runs:/RUN_ID/model``)
+- executor: ``local:CONFIG.toml`` | ``sim:PROFILE`` | ``none``
+- decisions: ``kafka://HOST:PORT/TOPIC`` | ``file:PATH`` (any number)
+"""
+
+from __future__ import annotations
+
+import os
+from contextvars import ContextVar
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+from pydantic import Field, SecretStr, field_validator, model_validator
+from pydantic_settings import (
+    BaseSettings,
+    NoDecode,
+    PydanticBaseSettingsSource,
+    SettingsConfigDict,
+    TomlConfigSettingsSource,
+    YamlConfigSettingsSource,
+)
+
+from serving.planner import PlannerParams
+
+CONFIG_ENV = "KVWARM_CONFIG"
+"""Environment variable naming a config file when none is passed explicitly."""
+
+_CONFIG_PATH: ContextVar[Path | None] = ContextVar("kvwarm_config_path", default=None)
+
+
+class SettingsError(ValueError):
+    """A setting is malformed; the message names it and lists the valid forms."""
+
+
+@dataclass(frozen=True)
+class Endpoint:
+    """A parsed endpoint spec: ``scheme`` plus either a Kafka address and topic or a path."""
+
+    scheme: Literal["kafka", "file", "zmq", "local", "sim", "none"]
+    target: str
+    """Path (file/local), profile (sim), full URL (zmq), or ``HOST:PORT`` (kafka)."""
+    topic: str = ""
+
+
+SOURCE_FORMS = "kafka://HOST:PORT/TOPIC, file:PATH or zmq://HOST:PORT[?topic=..&replay=..]"
+SINK_FORMS = "kafka://HOST:PORT/TOPIC or file:PATH"
+EXECUTOR_FORMS = "local:CONFIG.toml, sim:PROFILE or none"
+
+
+def _kafka(spec: str, what: str, forms: str) -> Endpoint:
+    rest = spec[len("kafka://") :]
+    host_port, _, topic = rest.partition("/")
+    if not host_port or ":" not in host_port or not topic or "/" in topic:
+        raise SettingsError(f"{what} {spec!r} is not kafka://HOST:PORT/TOPIC; use {forms}")
+    return Endpoint("kafka", host_port, topic)
+
+
+def parse_source(spec: str) -> Endpoint:
+    """Parse ``--source``; raises ``SettingsError`` naming the valid forms."""
+    if spec.startswith("kafka://"):
+        return _kafka(spec, "source", SOURCE_FORMS)
+    if spec.startswith("file:") and len(spec) > 5:
+        return Endpoint("file", spec[5:])
+    if spec.startswith("zmq://") and len(spec) > 6:
+        return Endpoint("zmq", spec)
+    raise SettingsError(f"source {spec!r} is not understood; use {SOURCE_FORMS}")
+
+
+def parse_sink(spec: str) -> Endpoint:
+    """Parse one ``--decisions`` target."""
+    if spec.startswith("kafka://"):
+        return _kafka(spec, "decisions target", SINK_FORMS)
+    if spec.startswith("file:") and len(spec) > 5:
+        return Endpoint("file", spec[5:])
+    raise SettingsError(f"decisions target {spec!r} is not understood; use {SINK_FORMS}")
+
+
+def parse_executor(spec: str) -> Endpoint:
+    """Parse ``--executor``."""
+    if spec == "none":
+        return Endpoint("none", "")
+    for scheme in ("local", "sim"):
+        prefix = scheme + ":"
+        if spec.startswith(prefix) and len(spec) > len(prefix):
+            return Endpoint(scheme, spec[len(prefix) :])  # type: ignore[arg-type]
+    raise SettingsError(f"executor {spec!r} is not understood; use {EXECUTOR_FORMS}")
+
+
+class SidecarSettings(BaseSettings):
+    """Everything ``kvwarm serve`` can be told. Frozen: build a new one to change it."""
+
+    model_config = SettingsConfigDict(
+        env_prefix="KVWARM_",
+        env_nested_delimiter="__",
+        frozen=True,
+        # Other KVWARM_* variables (KVWARM_KAFKA_*, KVWARM_LOG_LEVEL ...) belong to others.
+        extra="ignore",
+        validate_default=True,
+    )
+
+    # -- endpoints ---------------------------------------------------------------------
+    source: str = Field(
+        "kafka://127.0.0.1:9092/kvwarm.events",
+        description=f"Where access and residency events come from: {SOURCE_FORMS}.",
+    )
+    model: str = Field(
+        "lru",
+        description="The scoring policy: a baseline name (lru, lfu, prefix_lru), a saved "
+        "policy directory or a file in one, or an MLflow URI (models:/NAME@ALIAS). A model "
+        "that fails to load, or whose feature version differs, is replaced by LRU and "
+        "/healthz reports degraded.",
+    )
+    executor: str = Field(
+        "none",
+        description=f"Who applies decisions on this node: {EXECUTOR_FORMS}. 'none' only "
+        "publishes them.",
+    )
+    # NoDecode: the env var is a comma-separated list, not JSON.
+    decisions: Annotated[tuple[str, ...], NoDecode] = Field(
+        (),
+        description=f"Where decisions are published besides the executor, any number of {SINK_FORMS}.",
+    )
+    rejects_path: Path | None = Field(
+        None, description="File source and ZMQ: where malformed input is written (JSONL)."
+    )
+    kafka_group_id: str = Field(
+        "kvwarm-sidecar",
+        min_length=1,
+        max_length=249,
+        description="Consumer group of a Kafka source; sidecars of one group share partitions.",
+    )
+    kafka_dead_letter_topic: str | None = Field(
+        None, description="Dead-letter topic of a Kafka source (default: SOURCE_TOPIC.dlq)."
+    )
+
+    # -- tiers and planner ---------------------------------------------------------------
+    tier_names: tuple[str, ...] = Field(
+        ("hbm", "dram", "nvme"),
+        min_length=1,
+        max_length=4,
+        description="Tiers the planner manages, fastest first (hbm, dram, nvme, remote). "
+        "An executor with its own tier configuration overrides this.",
+    )
+    tier_capacities_blocks: tuple[int, ...] = Field(
+        (4_096, 32_768, 262_144),
+        min_length=1,
+        max_length=4,
+        description="Capacity of each tier in blocks, same order as tier_names. An executor "
+        "configuration in bytes overrides this (capacity_bytes // block_size_bytes).",
+    )
+    block_size_bytes: int = Field(
+        1 << 20,
+        ge=1,
+        description="Payload bytes of one KV block; converts executor capacities to blocks "
+        "and sizes the payloads a local executor writes.",
+    )
+    planner: PlannerParams = Field(
+        default_factory=PlannerParams,
+        description="Eviction sample, admission veto, prefetch budget, hysteresis.",
+    )
+    prefetch: bool = Field(True, description="Run speculative prefetch rounds.")
+    prefetch_interval_ms: int = Field(
+        1_000, ge=1, le=3_600_000, description="Time between speculative prefetch rounds."
+    )
+    recent_requests: int = Field(
+        64,
+        ge=1,
+        le=100_000,
+        description="Prefetch candidates are the blocks of this many most recent requests; "
+        "bounds the candidate set.",
+    )
+    decision_deadline_ms: int = Field(
+        5_000,
+        ge=1,
+        description="A decision is useless this long after it is made (deadline_ms = ts_ms + this).",
+    )
+
+    # -- loop ----------------------------------------------------------------------------
+    clock: Literal["wall", "event"] = Field(
+        "wall",
+        description="'wall': now is the wall clock (serving). 'event': now is the event's "
+        "timestamp (replaying a trace as if live).",
+    )
+    batch_size: int = Field(
+        1_024,
+        ge=1,
+        le=1_000_000,
+        description="Most events handled between two flush+commit points. Bounds memory and "
+        "the redelivery window after a crash.",
+    )
+    target_batch_latency_ms: float = Field(
+        20.0,
+        gt=0,
+        le=60_000,
+        description="Batches are sized so that handling one and delivering its decisions "
+        "takes about this long (measured cost per event); batch_size is the upper bound.",
+    )
+    poll_timeout_ms: int = Field(
+        100, ge=0, le=60_000, description="How long one poll waits for events."
+    )
+
+    # -- model lifecycle -------------------------------------------------------------------
+    model_poll_interval_s: float = Field(
+        30.0,
+        ge=0.0,
+        description="How often an MLflow alias is checked for a new version (0: never).",
+    )
+    mlflow_tracking_uri: str | None = Field(
+        None, description="MLflow tracking/registry URI (default: MLFLOW_TRACKING_URI or ./mlruns)."
+    )
+    mlflow_tracking_token: SecretStr | None = Field(
+        None, description="Bearer token for a remote MLflow server."
+    )
+
+    # -- HTTP ------------------------------------------------------------------------------
+    http_enabled: bool = Field(True, description="Serve /healthz, /readyz and /metrics.")
+    http_host: str = Field(
+        "127.0.0.1",
+        min_length=1,
+        description="Address the HTTP endpoints bind to; loopback unless exposed on purpose.",
+    )
+    http_port: int = Field(9464, ge=0, le=65535, description="HTTP port (0: any free port).")
+
+    @field_validator("source")
+    @classmethod
+    def _check_source(cls, value: str) -> str:
+        parse_source(value)
+        return value
+
+    @field_validator("executor")
+    @classmethod
+    def _check_executor(cls, value: str) -> str:
+        parse_executor(value)
+        return value
+
+    @field_validator("decisions", mode="before")
+    @classmethod
+    def _split_decisions(cls, value: Any) -> Any:
+        if isinstance(value, str):  # env var: comma-separated
+            return tuple(v.strip() for v in value.split(",") if v.strip())
+        return value
+
+    @field_validator("decisions")
+    @classmethod
+    def _check_decisions(cls, value: tuple[str, ...]) -> tuple[str, ...]:
+        for spec in value:
+            parse_sink(spec)
+        return value
+
+    @field_validator("tier_names")
+    @classmethod
+    def _check_tiers(cls, value: tuple[str, ...]) -> tuple[str, ...]:
+        order = ("hbm", "dram", "nvme", "remote")
+        for name in value:
+            if name not in order:
+                raise SettingsError(f"unknown tier {name!r}; use {', '.join(order)}")
+        ranks = [order.index(n) for n in value]
+        if ranks != sorted(set(ranks)):
+            raise SettingsError(f"tier_names must be distinct and fastest first, got {value}")
+        return value
+
+    @model_validator(mode="after")
+    def _check_capacities(self) -> SidecarSettings:
+        if len(self.tier_capacities_blocks) != len(self.tier_names):
+            raise SettingsError(
+                f"tier_capacities_blocks has {len(self.tier_capacities_blocks)} entries for "
+                f"{len(self.tier_names)} tiers {self.tier_names}; give one per tier"
+            )
+        if any(c < 1 for c in self.tier_capacities_blocks):
+            raise SettingsError("every tier capacity must be >= 1 block")
+        return self
+
+    @property
+    def source_endpoint(self) -> Endpoint:
+        return parse_source(self.source)
+
+    @property
+    def executor_endpoint(self) -> Endpoint:
+        return parse_executor(self.executor)
+
+    @property
+    def decision_endpoints(self) -> list[Endpoint]:
+        return [parse_sink(s) for s in self.decisions]
+
+    @classmethod
+    def settings_customise_sources(
+        cls,
+        settings_cls: type[BaseSettings],
+        init_settings: PydanticBaseSettingsSource,
+        env_settings: PydanticBaseSettingsSource,
+        dotenv_settings: PydanticBaseSettingsSource,
+        file_secret_settings: PydanticBaseSettingsSource,
+    ) -> tuple[PydanticBaseSettingsSource, ...]:
+        sources: list[PydanticBaseSettingsSource] = [init_settings, env_settings]
+        path = _CONFIG_PATH.get()
+        if path is not None:
+            if path.suffix == ".toml":
+                sources.append(TomlConfigSettingsSource(settings_cls, toml_file=path))
+            else:
+                sources.append(YamlConfigSettingsSource(settings_cls, yaml_file=path))
+        return tuple(sources)
+
+
+def load_settings(
+    config_path: str | os.PathLike[str] | None = None, **overrides: Any
+) -> SidecarSettings:
+    """Build the settings: ``overrides`` > ``KVWARM_*`` env > config file > defaults.
+
+    ``config_path`` (or ``KVWARM_CONFIG``) names a ``.toml``, ``.yaml`` or ``.yml`` file
+    whose keys are the field names. ``None`` overrides are ignored (unset CLI flags).
+    """
+    raw = config_path if config_path is not None else os.environ.get(CONFIG_ENV)
+    path = Path(raw) if raw else None
+    if path is not None:
+        if path.suffix not in (".toml", ".yaml", ".yml"):
+            raise SettingsError(f"config file {path} must end in .toml, .yaml or .yml")
+        if not path.is_file():
+            raise SettingsError(
+                f"config file {path} does not exist; check {CONFIG_ENV} or --config"
+            )
+    token = _CONFIG_PATH.set(path)
+    try:
+        return SidecarSettings(**{k: v for k, v in overrides.items() if v is not None})
+    finally:
+        _CONFIG_PATH.reset(token)

@@ -1,0 +1,115 @@
+from __future__ import annotations
+
+import pytest
+from pydantic import ValidationError
+
+from serving.settings import (
+    SettingsError,
+    SidecarSettings,
+    load_settings,
+    parse_executor,
+    parse_sink,
+    parse_source,
+)
+
+
+@pytest.fixture(autouse=True)
+def _clean_env(monkeypatch):
+    import os
+
+    for key in list(os.environ):
+        if key.startswith("KVWARM_"):
+            monkeypatch.delenv(key)
+
+
+def test_every_field_has_a_default_and_a_description():
+    settings = SidecarSettings()
+    for name, field in SidecarSettings.model_fields.items():
+        assert field.description, f"{name} has no description"
+        assert getattr(settings, name) is not None or field.default is None
+    assert settings.http_host == "127.0.0.1"
+
+
+def test_priority_is_flags_then_env_then_file(tmp_path, monkeypatch):
+    config = tmp_path / "sidecar.toml"
+    config.write_text(
+        'source = "file:events.jsonl"\nbatch_size = 7\nhttp_port = 1111\n'
+        "tier_names = ['hbm', 'dram']\ntier_capacities_blocks = [10, 20]\n"
+        "[planner]\neviction_sample = 8\n"
+    )
+    monkeypatch.setenv("KVWARM_HTTP_PORT", "2222")
+    monkeypatch.setenv("KVWARM_PLANNER__PREFETCH_BUDGET_BLOCKS", "5")
+    settings = load_settings(config, batch_size=9, model=None)
+    assert settings.batch_size == 9  # flag beats file
+    assert settings.http_port == 2222  # env beats file
+    assert settings.source == "file:events.jsonl"  # file beats default
+    assert settings.tier_capacities_blocks == (10, 20)
+    # Nested planner fields merge across file and env.
+    assert settings.planner.eviction_sample == 8
+    assert settings.planner.prefetch_budget_blocks == 5
+    assert settings.model == "lru"  # a None flag is "not given"
+
+
+def test_yaml_config_and_kvwarm_config_env(tmp_path, monkeypatch):
+    config = tmp_path / "sidecar.yaml"
+    config.write_text("executor: sim:default\ndecisions: ['file:out.jsonl']\n")
+    monkeypatch.setenv("KVWARM_CONFIG", str(config))
+    settings = load_settings()
+    assert settings.executor_endpoint.scheme == "sim"
+    assert [e.target for e in settings.decision_endpoints] == ["out.jsonl"]
+
+
+def test_decisions_from_env_are_comma_separated(monkeypatch):
+    monkeypatch.setenv("KVWARM_DECISIONS", "file:a.jsonl, kafka://127.0.0.1:9092/decisions")
+    settings = load_settings()
+    assert [(e.scheme, e.target, e.topic) for e in settings.decision_endpoints] == [
+        ("file", "a.jsonl", ""),
+        ("kafka", "127.0.0.1:9092", "decisions"),
+    ]
+
+
+def test_frozen_and_secrets_hidden(monkeypatch):
+    monkeypatch.setenv("KVWARM_MLFLOW_TRACKING_TOKEN", "s3cret-token")
+    settings = load_settings()
+    assert "s3cret-token" not in repr(settings) and "s3cret-token" not in str(settings.model_dump())
+    assert settings.mlflow_tracking_token.get_secret_value() == "s3cret-token"
+    with pytest.raises(ValidationError):
+        settings.batch_size = 3  # type: ignore[misc]
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "hint"),
+    [
+        ("source", "http://nope", "kafka://HOST:PORT/TOPIC"),
+        ("source", "kafka://nohostport/topic", "kafka://HOST:PORT/TOPIC"),
+        ("executor", "gpu:0", "local:CONFIG.toml"),
+        ("decisions", ("zmq://x:1",), "file:PATH"),
+        ("tier_names", ("dram", "hbm"), "fastest first"),
+        ("tier_names", ("ssd",), "unknown tier"),
+        ("tier_capacities_blocks", (1, 2, 3, 4), "one per tier"),
+        ("batch_size", 0, "greater than or equal to 1"),
+    ],
+)
+def test_bad_values_fail_with_what_to_do(field, value, hint):
+    with pytest.raises(ValidationError, match=hint):
+        load_settings(**{field: value})
+
+
+def test_missing_or_unknown_config_file(tmp_path):
+    with pytest.raises(SettingsError, match="does not exist"):
+        load_settings(tmp_path / "missing.toml")
+    bad = tmp_path / "sidecar.ini"
+    bad.write_text("x")
+    with pytest.raises(SettingsError, match=".toml, .yaml or .yml"):
+        load_settings(bad)
+
+
+def test_endpoint_parsers():
+    assert parse_source("kafka://127.0.0.1:9092/events").topic == "events"
+    assert parse_source("file:/x/y.jsonl").target == "/x/y.jsonl"
+    assert parse_source("zmq://127.0.0.1:5557?topic=kv").target.startswith("zmq://")
+    assert parse_sink("file:d.jsonl").scheme == "file"
+    assert parse_executor("local:cfg.toml").target == "cfg.toml"
+    assert parse_executor("none").scheme == "none"
+    with pytest.raises(SettingsError, match="kafka://HOST:PORT/TOPIC or file:PATH"):
+        parse_sink("kafka://127.0.0.1:9092/")
