@@ -85,9 +85,11 @@ def batch(s: VllmStructs, *events):
 
 
 def wire(publisher: EnginePublisher, runner: Bridge) -> None:
+    before = runner.num_batches
+
     def seen() -> bool:
         runner.step(timeout_ms=20)
-        return runner.subscriber.streams["e0"].last_seq is not None
+        return runner.num_batches > before
 
     publisher.heartbeat_until(seen)
 
