@@ -84,7 +84,11 @@ class DirectoryTier(Tier):
         self._quarantine_dir = self.root / _QUARANTINE
         for path in (self.root, self._tmp_dir, self._quarantine_dir):
             path.mkdir(parents=True, exist_ok=True)
-        self.recover(verify=False)
+        # Index what is there now (names and sizes only); the executor's recovery then
+        # reads everything through its checksum. What this pass found is reported by
+        # the next recover() call.
+        self._carried: RecoveryReport | None = None
+        self._carried = self.recover(verify=False)
 
     # -- paths ------------------------------------------------------------------
     def _path(self, key: str) -> str:
@@ -238,6 +242,10 @@ class DirectoryTier(Tier):
             self._used_bytes = sum(sizes.values())
             self.quarantined.extend(report.quarantined)
         report.num_blocks = len(sizes)
+        carried, self._carried = self._carried, None
+        if carried is not None:
+            report.num_temp_files_removed += carried.num_temp_files_removed
+            report.quarantined = carried.quarantined + report.quarantined
         return report
 
 
