@@ -204,12 +204,20 @@ def broker_ready(log_bytes: bytes) -> bool:
     return READY_PATTERN.search(log_bytes) is not None
 
 
-def jvm_options(heap_mb: int, tmp_dir: Path, log_config: Path) -> list[str]:
+def jvm_options(
+    heap_mb: int, tmp_dir: Path, log_config: Path, *, fast_start: bool = True
+) -> list[str]:
     """Small-heap JVM flags. ``java.io.tmpdir`` is the state dir's own folder because
-    zstd/snappy unpack native libraries there (a noexec /tmp would break them)."""
+    zstd/snappy unpack native libraries there (a noexec /tmp would break them).
+
+    ``fast_start`` compiles with C1 only (``-XX:TieredStopAtLevel=1``): on a busy
+    2-core machine it halves the time to ready (measured 5.5-9 s against 10-21 s) at
+    some cost in peak broker throughput, which a local test broker does not need.
+    """
     if heap_mb < 128:
         raise KafkaBrokerError(f"heap_mb={heap_mb} is too small for a broker; use at least 128")
     return [
+        *(["-XX:TieredStopAtLevel=1"] if fast_start else []),
         f"-Xms{min(heap_mb, 128)}m",
         f"-Xmx{heap_mb}m",
         "-XX:+UseG1GC",
@@ -392,11 +400,13 @@ class KafkaBroker:
         *,
         port: int | None = None,
         heap_mb: int = DEFAULT_HEAP_MB,
+        fast_start: bool = True,
         version: str = KAFKA_VERSION,
         cache_dir: Path | None = None,
     ) -> None:
         self.state_dir = Path(state_dir or default_state_dir()).resolve()
         self.heap_mb = heap_mb
+        self.fast_start = fast_start
         self.version = version
         self.cache_dir = cache_dir
         self._requested_port = port
@@ -506,7 +516,9 @@ class KafkaBroker:
         offset = self.log_path.stat().st_size if self.log_path.exists() else 0
         cmd = [
             java,
-            *jvm_options(self.heap_mb, self.state_dir / "tmp", log_config),
+            *jvm_options(
+                self.heap_mb, self.state_dir / "tmp", log_config, fast_start=self.fast_start
+            ),
             "-cp",
             jars.classpath,
             BROKER_MAIN_CLASS,

@@ -35,6 +35,7 @@ from kafka import KafkaAdminClient, KafkaConsumer, KafkaProducer
 from kafka.consumer.subscription_state import ConsumerRebalanceListener
 from kafka.errors import (
     CommitFailedError,
+    KafkaConnectionError,
     KafkaError,
     KafkaTimeoutError,
     TopicAlreadyExistsError,
@@ -298,6 +299,7 @@ class KafkaEventSource:
         auto_offset_reset: Literal["earliest", "latest"] = "earliest",
         session_timeout_ms: int = 10_000,
         fetch_max_wait_ms: int = 100,
+        commit_timeout_ms: int = 10_000,
         security: KafkaSecurity | None = None,
         options: ConnectOptions = ConnectOptions(),
     ) -> None:
@@ -306,6 +308,7 @@ class KafkaEventSource:
             raise ValueError("KafkaEventSource needs at least one topic")
         self.bootstrap = bootstrap
         self.group_id = group_id
+        self.commit_timeout_ms = commit_timeout_ms
         self.dead_letter_topic = dead_letter_topic or self.topics[0] + DLQ_SUFFIX
         base = _client_config(bootstrap, security, options, client_id)
         consumer_cfg = {
@@ -438,10 +441,18 @@ class KafkaEventSource:
         if not offsets:
             return
         try:
-            self._consumer.commit(offsets)
+            self._consumer.commit(offsets, timeout_ms=self.commit_timeout_ms)
         except CommitFailedError as exc:
             self.num_commit_failures += 1
             log.warning("commit lost to a rebalance; those events will be delivered again: %s", exc)
+            return
+        except (KafkaTimeoutError, KafkaConnectionError) as exc:
+            # The broker is away (restarting?). Offsets stay committable: the next commit()
+            # covers them, and if this process dies first they are delivered again.
+            self.num_commit_failures += 1
+            log.warning(
+                "commit to %s failed, will retry with the next one: %s", self.bootstrap, exc
+            )
             return
         self.num_commits += 1
         for tp, meta in offsets.items():
@@ -504,14 +515,12 @@ class _Producer:
         self._closed = False
         self.num_sent = 0
 
-    def _send(self, key: bytes | None, value: bytes) -> None:
-        future = self._producer.send(self.topic, key=key, value=value)
-        future.add_errback(self._errors.append)
-        self.num_sent += 1
+    def _send(self, key: bytes | None, value: bytes | None) -> None:
+        self.send_record(value, key=key)
 
     def send_record(
         self,
-        value: bytes,
+        value: bytes | None,
         *,
         key: bytes | None = None,
         headers: Sequence[tuple[str, bytes]] = (),
@@ -627,7 +636,7 @@ class KafkaEventProducer(_Producer):
     def send_event(self, event: BlocksAccessed) -> None:
         self._send(prefix_root_key(event), msgspec.json.encode(event.to_dict()))
 
-    def send_raw(self, value: bytes, key: bytes | None = None) -> None:
+    def send_raw(self, value: bytes | None, key: bytes | None = None) -> None:
         """Any payload, unvalidated (a vLLM KVEventBatch, or test input)."""
         self._send(key, value)
 

@@ -1,0 +1,77 @@
+"""The broker process stops and starts again (same data dir, same ports) while a
+producer and a consumer are mid-stream: both recover on their own and no event is lost.
+
+This test runs its own broker: restarting the shared one would disturb other tests,
+and an external ``KVWARM_KAFKA_BOOTSTRAP`` broker cannot be restarted from here.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+
+import pytest
+
+from features.events import BlocksAccessed
+from serving.kafka_broker import KafkaBroker
+from serving.kafka_io import KafkaEventProducer, KafkaEventSource, ensure_topics
+
+pytestmark = pytest.mark.integration
+
+NUM_EVENTS = 3_000
+RATE_PER_S = 600  # about 5 s of producing, the restart falls in the middle
+RESTART_AFTER = 800  # consumed events before the broker is stopped
+
+
+def test_producer_and_consumer_survive_a_broker_restart(
+    own_kafka_broker: KafkaBroker, unique_topic: Callable[[str], str]
+) -> None:
+    broker = own_kafka_broker
+    bootstrap = broker.bootstrap
+    topic = unique_topic("events")
+    ensure_topics(bootstrap, {topic: 2})
+    events = [
+        BlocksAccessed(
+            ts_ms=i, request_id=f"r{i}", block_hashes=(i % 11, 500 + i), block_size_tokens=16
+        )
+        for i in range(NUM_EVENTS)
+    ]
+    producer_errors: list[BaseException] = []
+
+    def produce() -> None:
+        try:
+            with KafkaEventProducer(bootstrap, topic) as producer:
+                started = time.monotonic()
+                for i, event in enumerate(events):
+                    delay_s = i / RATE_PER_S - (time.monotonic() - started)
+                    if delay_s > 0:
+                        time.sleep(delay_s)
+                    producer.send_event(event)
+                producer.flush(timeout_s=90)
+        except BaseException as exc:  # reported by the main thread
+            producer_errors.append(exc)
+
+    thread = threading.Thread(target=produce, name="producer", daemon=True)
+    seen: list[str] = []
+    restarted_at: int | None = None
+    with KafkaEventSource(bootstrap, topic, group_id=unique_topic("group")) as source:
+        thread.start()
+        deadline = time.monotonic() + 120
+        while len(set(seen)) < NUM_EVENTS and time.monotonic() < deadline:
+            seen.extend(e.request_id for e in source.poll(200, timeout_ms=200))
+            source.commit()
+            if restarted_at is None and len(seen) >= RESTART_AFTER:
+                restarted_at = len(seen)
+                assert broker.stop(grace_s=30)
+                assert not broker.status().running
+                time.sleep(1.0)  # clients see the broker gone, not just a blip
+                broker.start(timeout_s=90)
+        stats = source.stats()
+    thread.join(timeout=60)
+
+    assert restarted_at is not None and restarted_at < NUM_EVENTS
+    assert not thread.is_alive()
+    assert producer_errors == []  # every send acknowledged, with no manual action
+    assert set(seen) == {e.request_id for e in events}  # nothing lost
+    assert stats["dead_letters"] == 0
