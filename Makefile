@@ -7,7 +7,7 @@ KVWARM := $(VENV)/bin/kvwarm
 STAMP := $(VENV)/.installed
 PYTEST_ARGS ?=
 
-.PHONY: demo test lint format bench install clean system-deps
+.PHONY: demo test lint format bench install clean system-deps kafka-jars
 
 # Installing twice is fast: the stamp is newer than pyproject.toml unless it changed.
 $(STAMP): pyproject.toml
@@ -24,7 +24,11 @@ install: system-deps $(STAMP)
 demo: install
 	$(KVWARM) demo
 
-test: install
+# Apache Kafka's broker jars from Maven Central into .cache/kafka (a second run only checks).
+kafka-jars: install
+	$(KVWARM) kafka fetch
+
+test: install kafka-jars
 	$(PY) -m pytest $(PYTEST_ARGS)
 
 lint: install
