@@ -1,0 +1,197 @@
+"""Shared machinery of learned policies (LightGBM, LSTM): online features in, model out.
+
+A learned policy owns a ``features.state.FeatureState`` (the one feature code path,
+shared with ``training.dataset``): ``observe`` feeds it, ``score`` asks it for feature
+rows of the requested blocks and runs the model on them. Training happens offline
+(``training.train``) through ``fit`` on feature matrices built by the same state.
+
+Saved layout: ``policy.json`` (name, params, feature version, feature names and
+feature params) plus the model's own files. Loading refuses a model whose feature
+version or feature names differ from this kvwarm's: its columns would mean other
+things.
+
+This module imports neither LightGBM nor torch; subclasses do, lazily by registry.
+"""
+
+from __future__ import annotations
+
+import abc
+import dataclasses
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from pydantic import Field
+
+from features.events import Event
+from features.state import FEATURE_VERSION, FeatureParams, FeatureState
+from predictor.base import (
+    MANIFEST_NAME,
+    Policy,
+    PolicyError,
+    PolicyLoadError,
+    PolicyParams,
+    as_hash_array,
+)
+
+
+class NotFittedError(PolicyError):
+    """A learned policy was asked to score before it was fitted or loaded."""
+
+
+class LearnedParams(PolicyParams):
+    horizon_ms: int = Field(
+        120_000, ge=1, description="H: the model predicts reuse within (t, t + H]."
+    )
+    seed: int = Field(0, ge=0, description="Seed of every random choice in training.")
+
+
+def feature_params_to_dict(params: FeatureParams) -> dict[str, Any]:
+    return {
+        k: list(v) if isinstance(v, tuple) else v for k, v in dataclasses.asdict(params).items()
+    }
+
+
+def feature_params_from_dict(data: dict[str, Any]) -> FeatureParams:
+    fields = {f.name for f in dataclasses.fields(FeatureParams)}
+    unknown = set(data) - fields
+    if unknown:
+        raise ValueError(f"unknown feature params {sorted(unknown)}")
+    return FeatureParams(**{k: tuple(v) if isinstance(v, list) else v for k, v in data.items()})
+
+
+class LearnedPolicy(Policy):
+    """Base of policies that score ``model(features_for(blocks, now_ms))``."""
+
+    Params = LearnedParams
+    params: LearnedParams
+    outputs_probability = True
+
+    def __init__(
+        self, params: PolicyParams | None = None, feature_params: FeatureParams | None = None
+    ) -> None:
+        super().__init__(params)
+        self.feature_params = feature_params or FeatureParams()
+        self.state = FeatureState(self.feature_params)
+        self.feature_names: tuple[str, ...] = self.state.feature_names
+        self.fitted = False
+        self.training_info: dict[str, Any] = {}
+        """What ``fit`` learned besides the model: best iteration, importances ..."""
+
+    # --- online ---------------------------------------------------------------------
+
+    def observe(self, event: Event) -> None:
+        self.state.observe(event)
+
+    def score(self, block_hashes: np.ndarray, now_ms: int) -> np.ndarray:
+        hashes = as_hash_array(block_hashes)
+        if hashes.shape[0] == 0:
+            return np.zeros(0, dtype=np.float32)
+        return self.predict_features(self.state.features_for(hashes, now_ms))
+
+    def predict_features(self, features: np.ndarray) -> np.ndarray:
+        """Probability of reuse within the horizon per feature row (float32)."""
+        if not self.fitted:
+            raise NotFittedError(
+                f"{self.name} policy has no model: fit it (kvwarm train) or load a saved one"
+            )
+        features = np.asarray(features, dtype=np.float32)
+        if features.ndim != 2 or features.shape[1] != len(self.feature_names):
+            raise ValueError(
+                f"expected features of shape (n, {len(self.feature_names)}), got {features.shape}"
+            )
+        return np.asarray(self._predict(features), dtype=np.float32)
+
+    # --- model ----------------------------------------------------------------------
+
+    @abc.abstractmethod
+    def _predict(self, features: np.ndarray) -> np.ndarray: ...
+
+    @abc.abstractmethod
+    def fit(
+        self,
+        x_train: np.ndarray,
+        y_train: np.ndarray,
+        x_valid: np.ndarray,
+        y_valid: np.ndarray,
+        *,
+        time_to_next_train_ms: np.ndarray | None = None,
+        time_to_next_valid_ms: np.ndarray | None = None,
+        progress: bool = False,
+    ) -> LearnedPolicy:
+        """Train on feature rows with ``reused_within_H`` labels (bool); validation rows
+        drive early stopping. Returns ``self``."""
+
+    def fresh_copy(self) -> LearnedPolicy:
+        """Same params and model, empty online state (what ``load`` would give)."""
+        clone = type(self)(self.params, self.feature_params)
+        clone._adopt_model(self)
+        clone.fitted = self.fitted
+        clone.training_info = dict(self.training_info)
+        return clone
+
+    @abc.abstractmethod
+    def _adopt_model(self, other: LearnedPolicy) -> None: ...
+
+    def model_size_bytes(self) -> int:
+        """Bytes of the saved model files (what serving loads)."""
+        return int(self.training_info.get("model_size_bytes", 0))
+
+    # --- persistence ----------------------------------------------------------------
+
+    def _save_model(self, directory: Path) -> dict[str, Any]:
+        if not self.fitted:
+            raise NotFittedError(f"cannot save an unfitted {self.name} policy")
+        files = self._write_model_files(directory)
+        self.training_info["model_size_bytes"] = sum((directory / f).stat().st_size for f in files)
+        return {
+            "feature_version": FEATURE_VERSION,
+            "feature_names": list(self.feature_names),
+            "feature_params": feature_params_to_dict(self.feature_params),
+            "files": files,
+        }
+
+    @classmethod
+    def load(cls, directory: str | Path, **kwargs: Any) -> Policy:
+        from predictor.base import params_from_manifest, read_manifest
+
+        directory = Path(directory)
+        manifest = read_manifest(directory)
+        where = directory / MANIFEST_NAME
+        if manifest["policy"] != cls.name:
+            raise PolicyLoadError(
+                where, f"it holds a {manifest['policy']!r} policy, not {cls.name!r}"
+            )
+        if manifest.get("feature_version") != FEATURE_VERSION:
+            raise PolicyLoadError(
+                where,
+                f"model was trained on feature version {manifest.get('feature_version')!r}, "
+                f"this kvwarm computes version {FEATURE_VERSION}; retrain it (kvwarm train)",
+            )
+        try:
+            feature_params = feature_params_from_dict(manifest.get("feature_params", {}))
+        except (TypeError, ValueError) as exc:
+            raise PolicyLoadError(where, f"invalid feature_params: {exc}") from exc
+        params = params_from_manifest(cls, manifest, where)
+        policy = cls(params, feature_params, **kwargs)
+        if list(policy.feature_names) != manifest.get("feature_names"):
+            raise PolicyLoadError(
+                where, "feature names differ from this kvwarm's; retrain the model"
+            )
+        for name in manifest.get("files", []):
+            if not (directory / name).is_file():
+                raise PolicyLoadError(directory / name, "model file is missing")
+        policy._read_model_files(directory, manifest)
+        policy.fitted = True
+        policy.training_info["model_size_bytes"] = sum(
+            (directory / f).stat().st_size for f in manifest.get("files", [])
+        )
+        return policy
+
+    @abc.abstractmethod
+    def _write_model_files(self, directory: Path) -> list[str]:
+        """Write the model; return the file names (relative to ``directory``)."""
+
+    @abc.abstractmethod
+    def _read_model_files(self, directory: Path, manifest: dict[str, Any]) -> None:
+        """Read the model; raise ``PolicyLoadError`` naming the file on any problem."""

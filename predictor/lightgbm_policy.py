@@ -1,0 +1,198 @@
+"""LightGBM policy: gradient-boosted trees on the online features (LRB tradition).
+
+Two objectives (``LightGBMParams.objective``):
+
+- ``binary``: P(reused within H), trained on ``reused_within_H``; the score is that
+  probability.
+- ``log_time_to_next``: regression on log1p(time to next access), as LRB does, with
+  censored and never-reused rows at ``max_time_to_next_ms``. The score is
+  P(reused within H) under a log-normal error around the prediction (sigma = RMSE on
+  the validation rows), monotone in the prediction.
+
+Early stopping on the validation split; feature importance (gain) kept in
+``training_info``. Saved as LightGBM's text model format (``model.txt``) and read back
+with ``lightgbm.Booster(model_file=...)``: no pickle.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any, Literal
+
+import lightgbm as lgb
+import numpy as np
+from pydantic import Field
+
+from predictor.base import PolicyLoadError
+from predictor.learned import LearnedParams, LearnedPolicy
+
+MODEL_FILE = "model.txt"
+
+
+class LightGBMParams(LearnedParams):
+    objective: Literal["binary", "log_time_to_next"] = Field(
+        "binary", description="What the trees fit: the reuse label, or log time to next access."
+    )
+    num_boost_round: int = Field(400, ge=1, le=100_000, description="Upper bound on trees.")
+    early_stopping_rounds: int = Field(
+        30, ge=1, description="Stop when the validation loss has not improved for this many rounds."
+    )
+    learning_rate: float = Field(0.05, gt=0, le=1)
+    num_leaves: int = Field(63, ge=2, le=4096)
+    min_data_in_leaf: int = Field(50, ge=1)
+    feature_fraction: float = Field(0.9, gt=0, le=1)
+    bagging_fraction: float = Field(0.8, gt=0, le=1)
+    lambda_l2: float = Field(1.0, ge=0)
+    max_time_to_next_ms: int = Field(
+        3_600_000, ge=1, description="Regression target cap; censored rows get this value."
+    )
+    num_threads: int = Field(
+        1,
+        ge=1,
+        le=256,
+        description="Training threads. OpenMP spin-waits, so more threads than free cores "
+        "is far slower than one; raise it on a dedicated machine.",
+    )
+
+
+class LightGBMPolicy(LearnedPolicy):
+    """Boosted trees over ``FeatureState`` rows; see the module docstring."""
+
+    name = "lightgbm"
+    Params = LightGBMParams
+    params: LightGBMParams
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.booster: lgb.Booster | None = None
+        self.sigma_log: float = 1.0
+
+    def _lgb_params(self) -> dict[str, Any]:
+        p = self.params
+        common = {
+            "learning_rate": p.learning_rate,
+            "num_leaves": p.num_leaves,
+            "min_data_in_leaf": p.min_data_in_leaf,
+            "feature_fraction": p.feature_fraction,
+            "bagging_fraction": p.bagging_fraction,
+            "bagging_freq": 1,
+            "lambda_l2": p.lambda_l2,
+            "seed": p.seed,
+            "deterministic": True,
+            "force_row_wise": True,
+            "num_threads": p.num_threads,
+            "verbosity": -1,
+        }
+        if p.objective == "binary":
+            return {**common, "objective": "binary", "metric": "binary_logloss"}
+        return {**common, "objective": "regression", "metric": "l2"}
+
+    def _target(self, y: np.ndarray, tnext: np.ndarray | None) -> np.ndarray:
+        if self.params.objective == "binary":
+            return np.asarray(y, dtype=np.float32)
+        if tnext is None:
+            raise ValueError("the log_time_to_next objective needs time_to_next_*_ms arrays")
+        cap = float(self.params.max_time_to_next_ms)
+        t = np.where(
+            np.asarray(tnext) < 0, cap, np.minimum(np.asarray(tnext, dtype=np.float64), cap)
+        )
+        return np.log1p(t).astype(np.float32)
+
+    def fit(
+        self,
+        x_train: np.ndarray,
+        y_train: np.ndarray,
+        x_valid: np.ndarray,
+        y_valid: np.ndarray,
+        *,
+        time_to_next_train_ms: np.ndarray | None = None,
+        time_to_next_valid_ms: np.ndarray | None = None,
+        progress: bool = False,
+    ) -> LightGBMPolicy:
+        names = list(self.feature_names)
+        train = lgb.Dataset(
+            x_train,
+            self._target(y_train, time_to_next_train_ms),
+            feature_name=names,
+            free_raw_data=True,
+        )
+        valid = lgb.Dataset(
+            x_valid,
+            self._target(y_valid, time_to_next_valid_ms),
+            reference=train,
+            feature_name=names,
+        )
+        callbacks = [lgb.early_stopping(self.params.early_stopping_rounds, verbose=False)]
+        if progress:
+            callbacks.append(lgb.log_evaluation(period=25))
+        evals: dict[str, Any] = {}
+        callbacks.append(lgb.record_evaluation(evals))
+        booster = lgb.train(
+            self._lgb_params(),
+            train,
+            num_boost_round=self.params.num_boost_round,
+            valid_sets=[valid],
+            valid_names=["valid"],
+            callbacks=callbacks,
+        )
+        booster.best_iteration = booster.best_iteration or booster.current_iteration()
+        # Keep only the trees early stopping chose, so the saved model is what was validated.
+        self.booster = lgb.Booster(
+            model_str=booster.model_to_string(num_iteration=booster.best_iteration)
+        )
+        if self.params.objective == "log_time_to_next":
+            pred = self.booster.predict(x_valid)
+            resid = pred - self._target(y_valid, time_to_next_valid_ms)
+            self.sigma_log = float(max(np.sqrt(np.mean(resid**2)), 1e-3))
+        self.fitted = True
+        self.training_info = {
+            "best_iteration": int(booster.best_iteration),
+            "valid_curve": next(iter(evals.get("valid", {}).values()), []),
+            "feature_importance_gain": dict(
+                zip(names, self.booster.feature_importance("gain").tolist(), strict=True)
+            ),
+        }
+        return self
+
+    def _predict(self, features: np.ndarray) -> np.ndarray:
+        assert self.booster is not None
+        raw = self.booster.predict(features, num_threads=1)
+        if self.params.objective == "binary":
+            return raw
+        # P(log T <= log1p(H)) with log T ~ N(raw, sigma^2).
+        z = (math.log1p(self.params.horizon_ms) - raw) / (self.sigma_log * math.sqrt(2.0))
+        return 0.5 * (1.0 + _erf(z))
+
+    def _adopt_model(self, other: Any) -> None:
+        self.booster = other.booster
+        self.sigma_log = other.sigma_log
+
+    def _write_model_files(self, directory: Path) -> list[str]:
+        assert self.booster is not None
+        self.booster.save_model(str(directory / MODEL_FILE))
+        (directory / "sigma_log.txt").write_text(repr(self.sigma_log))
+        return [MODEL_FILE, "sigma_log.txt"]
+
+    def _read_model_files(self, directory: Path, manifest: dict[str, Any]) -> None:
+        path = directory / MODEL_FILE
+        try:
+            self.booster = lgb.Booster(model_file=str(path))
+        except lgb.basic.LightGBMError as exc:
+            raise PolicyLoadError(path, f"not a readable LightGBM text model ({exc})") from exc
+        if self.booster.num_feature() != len(self.feature_names):
+            raise PolicyLoadError(
+                path,
+                f"model has {self.booster.num_feature()} features, expected {len(self.feature_names)}",
+            )
+        sigma_path = directory / "sigma_log.txt"
+        try:
+            self.sigma_log = float(sigma_path.read_text())
+        except (OSError, ValueError) as exc:
+            raise PolicyLoadError(sigma_path, f"expected one float ({exc})") from exc
+
+
+def _erf(z: np.ndarray) -> np.ndarray:
+    from scipy.special import erf
+
+    return np.asarray(erf(z))

@@ -1,0 +1,417 @@
+"""Offline training of a learned policy, evaluated against the baselines, tracked in MLflow.
+
+``train_and_evaluate(trace, config)``:
+
+1. read the trace; build one dataset with ``training.dataset.build_dataset`` (the
+   online ``FeatureState`` replayed over the trace: the rows serving would compute);
+2. split it by time: train = the first ``train_fraction`` of the trace's time span
+   minus its last ``valid_fraction`` (validation, for early stopping and for
+   calibrating the baselines), test = the rest; each part's labels are censored at
+   its own end, so nothing of a later part leaks into an earlier one;
+3. fit the model (``LightGBMPolicy.fit`` / ``LSTMPolicy.fit``) on the training rows
+   whose horizon is complete;
+4. replay the whole trace through the model and every baseline
+   (``training.evaluate``) and measure the test part.
+
+``run_tracked`` does the same inside an MLflow run (``training.tracking``): params
+(including the feature version and the trace's sha256), metrics of every policy,
+PNG plots, and the model with a signature, registered and aliased on request.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from features.decoders import read_trace
+from features.events import BlocksAccessed
+from features.feature_set import FEATURE_VERSION
+from features.state import FeatureParams
+from predictor import make_policy
+from predictor.learned import LearnedPolicy
+from predictor.oracle import FutureAccesses
+from training.dataset import Dataset, build_dataset
+from training.evaluate import PolicyEvaluation, evaluate_policies
+from training.metrics import TOP_K_FRACTIONS
+
+LEARNED_MODELS = ("lightgbm", "lstm")
+BASELINES = ("lru", "lfu", "prefix_lru", "oracle")
+
+Echo = Callable[[str], None]
+
+
+class TrainingError(ValueError):
+    """Training cannot run as configured; the message says what to change."""
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """Everything that decides a training run's result (all of it is logged)."""
+
+    model: str = "lightgbm"
+    horizon_ms: int = 60_000
+    train_fraction: float = 0.6
+    """Share of the trace's time span used for training + validation; the rest is test."""
+    valid_fraction: float = 0.2
+    """Share of the training span (its end) held out for early stopping and calibration."""
+    snapshot_interval_ms: int = 30_000
+    snapshot_blocks: int = 1024
+    """Idle tracked blocks sampled per snapshot into the dataset (prefetch questions)."""
+    eval_snapshot_every_ms: int = 120_000
+    """How often top-k is measured over every seen block in the test part."""
+    seed: int = 0
+    model_params: dict[str, Any] = field(default_factory=dict)
+    baselines: tuple[str, ...] = BASELINES
+
+    def __post_init__(self) -> None:
+        if self.model not in LEARNED_MODELS:
+            raise TrainingError(
+                f"--model must be one of {', '.join(LEARNED_MODELS)}, got {self.model!r}"
+            )
+        if not 0 < self.train_fraction < 1 or not 0 < self.valid_fraction < 1:
+            raise TrainingError("train_fraction and valid_fraction must be in (0, 1)")
+        if self.horizon_ms <= 0:
+            raise TrainingError(f"horizon must be positive, got {self.horizon_ms} ms")
+
+
+@dataclass
+class TrainResult:
+    config: TrainConfig
+    policy: LearnedPolicy
+    evaluations: dict[str, PolicyEvaluation]
+    parts: dict[str, Dataset]
+    timings_s: dict[str, float]
+    trace_sha256: str | None = None
+    run_id: str | None = None
+    model_uri: str | None = None
+    registered_version: str | None = None
+
+    def table(self) -> str:
+        """The side-by-side metrics, one row per policy."""
+        cols = ["roc_auc", "pr_auc", "log_loss"]
+        caps = [f"{f * 100:g}pct" for f in TOP_K_FRACTIONS]
+        head = f"{'policy':<11}" + "".join(f"{c:>9}" for c in ["ROC-AUC", "PR-AUC", "logloss"])
+        head += "".join(
+            f"{'P@' + c.replace('pct', '%'):>8}{'R@' + c.replace('pct', '%'):>8}" for c in caps
+        )
+        lines = [head]
+        for name, ev in self.evaluations.items():
+            m = ev.metrics
+            row = f"{name:<11}" + "".join(f"{m.get(c, float('nan')):>9.4f}" for c in cols)
+            row += "".join(
+                f"{m[f'precision_at_{c}']:>8.4f}{m[f'recall_at_{c}']:>8.4f}" for c in caps
+            )
+            lines.append(row + ("  (log loss via isotonic on valid)" if ev.calibrated else ""))
+        return "\n".join(lines)
+
+
+def sha256_of(path: str | Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as fh:
+        for chunk in iter(lambda: fh.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def time_cuts(events: Sequence[BlocksAccessed], config: TrainConfig) -> tuple[int, int]:
+    """(end of train, end of validation) in ms: the test part starts after the second."""
+    if len(events) < 3:
+        raise TrainingError(f"the trace has {len(events)} requests; need at least 3 to split")
+    t0, t1 = events[0].ts_ms, events[-1].ts_ms
+    span = t1 - t0
+    test_cut = int(t0 + config.train_fraction * span)
+    valid_cut = int(t0 + config.train_fraction * (1 - config.valid_fraction) * span)
+    return valid_cut, test_cut
+
+
+def split_dataset(dataset: Dataset, valid_cut_ms: int, test_cut_ms: int) -> dict[str, Dataset]:
+    """Train/valid/test by time; labels of each part censored at its end."""
+    ts = dataset.ts_ms
+    parts = {
+        "train": dataset.take(np.flatnonzero(ts <= valid_cut_ms), end_ts_ms=valid_cut_ms),
+        "valid": dataset.take(
+            np.flatnonzero((ts > valid_cut_ms) & (ts <= test_cut_ms)), end_ts_ms=test_cut_ms
+        ),
+        "test": dataset.take(np.flatnonzero(ts > test_cut_ms)),
+    }
+    for name, part in parts.items():
+        if part.num_rows == 0:
+            raise TrainingError(f"the {name} part is empty; use a longer trace or other fractions")
+    return parts
+
+
+def _labelled(part: Dataset, horizon_ms: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Rows whose label is known: features, reuse label, time to next access (-1 censored)."""
+    keep = part.labels[f"horizon_complete_{horizon_ms}ms"].astype(bool)
+    y = part.labels[f"reused_within_{horizon_ms}ms"][keep].astype(bool)
+    tnext = np.where(
+        part.labels["censored"][keep], -1, part.labels["time_to_next_access_ms"][keep]
+    ).astype(np.int64)
+    return part.X[keep], y, tnext
+
+
+def fit_learned(
+    model: str,
+    train: Dataset,
+    valid: Dataset,
+    *,
+    horizon_ms: int,
+    seed: int = 0,
+    model_params: dict[str, Any] | None = None,
+    feature_params: FeatureParams | None = None,
+    progress: bool = False,
+) -> LearnedPolicy:
+    """A fitted ``lightgbm`` or ``lstm`` policy (fresh online state)."""
+    params = {"horizon_ms": horizon_ms, "seed": seed, **(model_params or {})}
+    policy = make_policy(model, params, feature_params=feature_params)
+    assert isinstance(policy, LearnedPolicy)
+    if tuple(train.feature_names) != tuple(policy.feature_names):
+        raise TrainingError("dataset feature names differ from the policy's; rebuild the dataset")
+    x_tr, y_tr, t_tr = _labelled(train, horizon_ms)
+    x_va, y_va, t_va = _labelled(valid, horizon_ms)
+    if y_tr.sum() == 0 or y_tr.sum() == y_tr.size:
+        raise TrainingError(
+            "training rows have a single class; use a longer trace or another horizon"
+        )
+    policy.fit(
+        x_tr,
+        y_tr,
+        x_va,
+        y_va,
+        time_to_next_train_ms=t_tr,
+        time_to_next_valid_ms=t_va,
+        progress=progress,
+    )
+    return policy
+
+
+def load_events(trace: str | Path) -> list[BlocksAccessed]:
+    return [e for e in read_trace(trace) if isinstance(e, BlocksAccessed)]
+
+
+def train_and_evaluate(
+    trace: str | Path | Sequence[BlocksAccessed],
+    config: TrainConfig,
+    *,
+    echo: Echo | None = None,
+    show_progress: bool = False,
+) -> TrainResult:
+    """Steps 1-4 of the module docstring; ``echo`` gets one line per stage."""
+    say = echo or (lambda _line: None)
+    timings: dict[str, float] = {}
+    t = time.perf_counter()
+    sha = None
+    if isinstance(trace, (str, Path)):
+        sha = sha256_of(trace)
+        events = load_events(trace)
+    else:
+        events = list(trace)
+    timings["read_s"] = time.perf_counter() - t
+    say(f"read {len(events):,} requests in {timings['read_s']:.1f} s")
+
+    t = time.perf_counter()
+    dataset = build_dataset(
+        events,
+        horizons_ms=(config.horizon_ms,),
+        snapshot_interval_ms=config.snapshot_interval_ms,
+        snapshot_blocks=config.snapshot_blocks,
+        seed=config.seed,
+    )
+    valid_cut, test_cut = time_cuts(events, config)
+    parts = split_dataset(dataset, valid_cut, test_cut)
+    timings["dataset_s"] = time.perf_counter() - t
+    say(
+        f"dataset: {dataset.num_rows:,} rows x {len(dataset.feature_names)} features "
+        f"(version {dataset.feature_version}) in {timings['dataset_s']:.1f} s; "
+        + ", ".join(f"{k} {v.num_rows:,}" for k, v in parts.items())
+    )
+
+    t = time.perf_counter()
+    say(f"training {config.model} (horizon {config.horizon_ms / 1000:g} s) ...")
+    policy = fit_learned(
+        config.model,
+        parts["train"],
+        parts["valid"],
+        horizon_ms=config.horizon_ms,
+        seed=config.seed,
+        model_params=config.model_params,
+        progress=show_progress,
+    )
+    timings["train_s"] = time.perf_counter() - t
+    say(f"trained {config.model} in {timings['train_s']:.1f} s")
+
+    policies: dict[str, Any] = {}
+    future = FutureAccesses.from_events(events)
+    for name in config.baselines:
+        extra = {"future": future} if name == "oracle" else {}
+        base_params = {"horizon_ms": config.horizon_ms} if name == "oracle" else None
+        policies[name] = make_policy(name, base_params, **extra)
+    policies[config.model] = policy.fresh_copy()
+    t = time.perf_counter()
+    say(f"evaluating {', '.join(policies)} on the test part ...")
+    bar = _progress_bar(len(events), show_progress)
+    try:
+        evaluations = evaluate_policies(
+            policies,
+            events,
+            valid=parts["valid"],
+            test=parts["test"],
+            horizon_ms=config.horizon_ms,
+            snapshot_every_ms=config.eval_snapshot_every_ms,
+            future=future,
+            progress=bar.update if bar is not None else None,
+        )
+    finally:
+        if bar is not None:
+            bar.close()
+    timings["evaluate_s"] = time.perf_counter() - t
+    return TrainResult(config, policy, evaluations, parts, timings, trace_sha256=sha)
+
+
+def _progress_bar(total: int, enabled: bool) -> Any:
+    if not enabled:
+        return None
+    from tqdm import tqdm
+
+    return tqdm(total=total, unit="req", desc="replay", leave=False)
+
+
+def run_tracked(
+    trace: str | Path,
+    config: TrainConfig,
+    *,
+    experiment: str = "kvwarm",
+    register: str | None = None,
+    alias: str | None = None,
+    store_uri: str | None = None,
+    echo: Echo | None = None,
+    show_progress: bool = False,
+) -> TrainResult:
+    """``train_and_evaluate`` inside an MLflow run; logs everything, registers on request."""
+    from training import tracking
+    from training.model_plots import calibration_figure, importance_figure, pr_curve_figure
+
+    if alias and not register:
+        raise TrainingError("--alias needs --register NAME")
+    say = echo or (lambda _line: None)
+    with tracking.tracked_run(
+        experiment, run_name=f"{config.model}-h{config.horizon_ms}", uri=store_uri
+    ) as run:
+        result = train_and_evaluate(trace, config, echo=echo, show_progress=show_progress)
+        policy = result.policy
+        params: dict[str, Any] = {
+            "model": config.model,
+            "trace": str(trace),
+            "trace_sha256": result.trace_sha256,
+            "feature_version": FEATURE_VERSION,
+            "num_features": len(policy.feature_names),
+            **{f"config.{k}": v for k, v in asdict(config).items() if k != "model_params"},
+            **{f"model.{k}": v for k, v in policy.params.model_dump().items()},
+            **{f"features.{k}": v for k, v in asdict(policy.feature_params).items()},
+            **{f"rows.{k}": v.num_rows for k, v in result.parts.items()},
+        }
+        run.log_params(params)
+        metrics: dict[str, float] = {}
+        for name, ev in result.evaluations.items():
+            metrics.update({f"{name}.{k}": v for k, v in ev.metrics.items()})
+            metrics[f"{name}.score_seconds"] = ev.score_seconds
+        metrics.update(result.evaluations[config.model].metrics)
+        metrics.update(result.timings_s)
+        for key in ("best_iteration", "best_epoch"):
+            if key in policy.training_info:
+                metrics[key] = float(policy.training_info[key])
+        curve = policy.training_info.get("valid_curve") or []
+        for step, value in enumerate(curve):
+            run.log_metrics({"valid_loss_curve": float(value)}, step=step)
+        x_test = result.parts["test"].X
+        run.log_figure(pr_curve_figure(result.evaluations), "plots/pr_curve.png")
+        run.log_figure(
+            calibration_figure(result.evaluations[config.model]), "plots/calibration.png"
+        )
+        importance = policy.training_info.get("feature_importance_gain") or permutation_importance(
+            policy, result.parts["test"], config.horizon_ms, seed=config.seed
+        )
+        run.log_figure(importance_figure(importance), "plots/feature_importance.png")
+        run.log_dict({"importance": importance}, "feature_importance.json")
+        sample = x_test[
+            np.random.default_rng(config.seed).choice(
+                x_test.shape[0], min(256, x_test.shape[0]), replace=False
+            )
+        ]
+        logged = run.log_policy(
+            policy, sample, list(policy.feature_names), registered_name=register, alias=alias
+        )
+        metrics["model_size_bytes"] = float(policy.model_size_bytes())
+        run.log_metrics(metrics)
+        result.run_id = run.run_id
+        result.model_uri = logged.registry_uri or logged.model_uri
+        result.registered_version = logged.version
+        say(f"MLflow run {run.run_id} at {run.tracking_uri}; model {result.model_uri}")
+    return result
+
+
+def permutation_importance(
+    policy: LearnedPolicy, part: Dataset, horizon_ms: int, *, seed: int = 0, max_rows: int = 5000
+) -> dict[str, float]:
+    """Drop in PR-AUC when one feature column is shuffled (for models without their own
+    importance, the LSTM). Measured on at most ``max_rows`` labelled rows."""
+    from sklearn.metrics import average_precision_score
+
+    x, y, _ = _labelled(part, horizon_ms)
+    rng = np.random.default_rng(seed)
+    if x.shape[0] > max_rows:
+        keep = rng.choice(x.shape[0], max_rows, replace=False)
+        x, y = x[keep], y[keep]
+    if y.sum() == 0:
+        return {name: 0.0 for name in policy.feature_names}
+    base = average_precision_score(y, policy.predict_features(x))
+    out: dict[str, float] = {}
+    for j, name in enumerate(policy.feature_names):
+        shuffled = x.copy()
+        shuffled[:, j] = rng.permutation(shuffled[:, j])
+        out[name] = float(base - average_precision_score(y, policy.predict_features(shuffled)))
+    return out
+
+
+def fit_policy_on_events(
+    name: str,
+    events: Sequence[BlocksAccessed],
+    *,
+    seed: int = 0,
+    quick: bool = True,
+    horizon_ms: int = 60_000,
+) -> LearnedPolicy:
+    """A learned policy fitted on the first 75% (by time) of ``events``, validated on
+    the rest; ``quick`` keeps it to seconds (tests, demos)."""
+    if len(events) < 3:
+        raise TrainingError(f"need at least 3 requests, got {len(events)}")
+    dataset = build_dataset(
+        events,
+        horizons_ms=(horizon_ms,),
+        snapshot_interval_ms=10_000,
+        snapshot_blocks=128,
+        seed=seed,
+    )
+    t0, t1 = events[0].ts_ms, events[-1].ts_ms
+    cut = int(t0 + 0.75 * (t1 - t0))
+    train = dataset.take(np.flatnonzero(dataset.ts_ms <= cut), end_ts_ms=cut)
+    valid = dataset.take(np.flatnonzero(dataset.ts_ms > cut))
+    quick_params: dict[str, Any] = (
+        {"num_boost_round": 40, "num_leaves": 15, "min_data_in_leaf": 20}
+        if name == "lightgbm"
+        else {"max_epochs": 2, "hidden_size": 8, "context_size": 16, "max_train_rows": 20_000}
+    )
+    return fit_learned(
+        name,
+        train,
+        valid,
+        horizon_ms=horizon_ms,
+        seed=seed,
+        model_params=quick_params if quick else {},
+    )
