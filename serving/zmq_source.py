@@ -181,7 +181,8 @@ class EngineBatch:
 
 @dataclass
 class EngineStreamStats:
-    """Counters of one engine's stream (all monotonic)."""
+    """Where one engine's stream stands (``last_seq``, ``publisher_id``) and its counters
+    (monotonic)."""
 
     last_seq: int | None = None
     publisher_id: bytes | None = None
@@ -212,6 +213,10 @@ class ZmqSubscriber:
     sequence goes back (or the publisher id of a 24-byte sequence frame changes), the
     engine restarted: the next batch carries ``restart=True`` and the new process's
     batches from 0 are requested from replay. Malformed frames are counted by reason.
+
+    Limit: with 8-byte sequence frames a restart is seen only when the sequence goes
+    back; a new process first heard of beyond the old ``last_seq`` (a long outage) looks
+    like a gap. Publishers with 24-byte frames (a publisher id) are always caught.
     """
 
     def __init__(

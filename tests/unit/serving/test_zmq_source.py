@@ -366,3 +366,27 @@ def test_url_parsing_single_and_several_engines():
 def test_url_errors_say_what_to_write(url, message):
     with pytest.raises(ZmqUrlError, match=message):
         parse_zmq_url(url)
+
+
+def test_a_new_publisher_id_in_24_byte_sequence_frames_is_a_restart():
+    """Newer vLLM sends seq (8 bytes) + publisher id (16 bytes): a new id is a new process
+    even when its sequence numbers are higher than the old ones."""
+
+    def frames(seq: int, pid: bytes, hashes: list[int]) -> list[bytes]:
+        payload = encode_batch(batch(TAGGED, stored(TAGGED, hashes)))
+        return [b"", seq.to_bytes(8, "big") + pid, payload]
+
+    with EnginePublisher(replay=False) as publisher:
+        source = ZmqEventSource(publisher.url("e0"))
+        try:
+            connect(source, publisher)
+            seq = publisher.next_seq
+            publisher.send_frames(frames(seq, b"A" * 16, [1]))  # next in line: no gap
+            publisher.send_frames(frames(seq + 1, b"B" * 16, [2]))  # forward, new id
+            events = poll_until(source, lambda: 2 in source.residency("e0"))
+        finally:
+            source.close()
+    stream = source.stats()["engines"]["e0"]
+    assert stream["restarts"] == 1
+    assert source.residency("e0").snapshot() == {2: {Tier.HBM}}
+    assert [type(e).__name__ for e in events] == ["BlockStored", "AllBlocksCleared", "BlockStored"]
