@@ -22,6 +22,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     ),
     "stats": ("features.stats_cli:stats", "Print a trace's statistics and LRU/Belady hit ratios."),
     "bench": ("serving.bench_cli:bench", "Run benchmarks (ratios against same-process baselines)."),
+    "train": ("training.train_cli:train", "Train a LightGBM/LSTM policy, compare with baselines, log to MLflow."),
     "kafka": ("serving.kafka_cli:kafka", "Run a local Kafka broker: up, down, status, fetch."),
     "produce": ("serving.kafka_cli:produce", "Replay a trace into a Kafka topic (real time, scaled, capped)."),
     "bridge": ("serving.bridge:bridge", "Forward vLLM/SGLang KV events from ZMQ into Kafka."),
