@@ -1,0 +1,210 @@
+"""``kvwarm bench serve``: sidecar throughput and event-to-decision latency.
+
+Runs the whole ``kvwarm serve`` assembly (``serving.serve_cli.Service``) in this
+process over a generated trace, once with LRU and once with the learned model, and
+prints block accesses per second plus p50/p99 event-to-decision latency (poll ->
+decisions delivered by the sink), with the learned run as a ratio of the LRU run.
+Then the same through Kafka when a broker answers (``--kafka HOST:PORT``, default
+``$KVWARM_KAFKA_BOOTSTRAP``): events are produced into a fresh topic first, then
+consumed by the sidecar, which publishes its decisions to a second topic.
+
+Without ``--model`` a LightGBM model is trained here on the first third of the trace
+(``training.dataset``, imported lazily: this is a benchmark, not the serving path).
+``--profile-out FILE`` writes a cProfile of the learned file-source run.
+"""
+
+from __future__ import annotations
+
+import cProfile
+import os
+import pstats
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import click
+import numpy as np
+
+from serving.serve_cli import Service
+from serving.settings import load_settings
+
+
+@dataclass
+class RunResult:
+    label: str
+    block_accesses: int
+    events: int
+    decisions: int
+    elapsed_s: float
+    p50_ms: float
+    p99_ms: float
+    score_s: float
+
+    @property
+    def accesses_per_s(self) -> float:
+        return self.block_accesses / self.elapsed_s if self.elapsed_s > 0 else 0.0
+
+
+def weighted_percentiles(samples: list[tuple[float, int]], qs: tuple[float, ...]) -> list[float]:
+    """Percentiles of values each repeated ``count`` times (batch latencies)."""
+    if not samples:
+        return [float("nan")] * len(qs)
+    values = np.array([v for v, _ in samples])
+    counts = np.array([c for _, c in samples], dtype=np.int64)
+    order = np.argsort(values)
+    values, cum = values[order], np.cumsum(counts[order])
+    return [float(values[np.searchsorted(cum, q / 100 * cum[-1])]) for q in qs]
+
+
+def train_quick_model(trace: Path, out_dir: Path, num_requests: int) -> Path:
+    """A LightGBM policy fitted on the first third of ``trace``, saved to ``out_dir``."""
+    from features.decoders import read_trace
+    from predictor.registry import make_policy
+    from training.dataset import build_dataset
+
+    events = list(read_trace(trace))[: max(300, num_requests // 3)]
+    data = build_dataset(events, horizons_ms=(60_000,), sample=0.5, seed=0)
+    label = data.labels["reused_within_60000ms"].astype(bool)
+    complete = data.labels["horizon_complete_60000ms"].astype(bool)
+    x, y = data.X[complete], label[complete]
+    cut = int(0.8 * len(y))
+    policy = make_policy("lightgbm", {"horizon_ms": 60_000, "num_boost_round": 200})
+    policy.fit(x[:cut], y[:cut], x[cut:], y[cut:])  # type: ignore[attr-defined]
+    return policy.save(out_dir)
+
+
+def run_once(
+    label: str, settings_kwargs: dict[str, Any], profile_to: Path | None = None
+) -> RunResult:
+    settings_kwargs = dict(settings_kwargs)
+    max_events = settings_kwargs.pop("_max_events", None)
+    settings = load_settings(None, **settings_kwargs)
+    service = Service(settings)
+    try:
+        t0 = time.perf_counter()
+        if profile_to is not None:
+            profiler = cProfile.Profile()
+            profiler.enable()
+        stats = service.run(max_events=max_events)
+        if profile_to is not None:
+            profiler.disable()
+            profiler.dump_stats(str(profile_to))
+        elapsed = time.perf_counter() - t0
+    finally:
+        service.close()
+    p50, p99 = weighted_percentiles(list(service.source.latencies), (50, 99))
+    return RunResult(
+        label,
+        stats.block_accesses,
+        stats.events,
+        service.decisions.num_decisions,
+        elapsed,
+        p50 * 1000,
+        p99 * 1000,
+        stats.score_seconds,
+    )
+
+
+def _print(results: list[RunResult], baseline: RunResult) -> None:
+    click.echo(
+        f"{'run':<26}{'accesses/s':>12}{'x LRU':>7}{'p50 ms':>9}{'p99 ms':>9}"
+        f"{'decisions':>11}{'score s':>9}{'wall s':>8}"
+    )
+    for r in results:
+        ratio = r.accesses_per_s / baseline.accesses_per_s if baseline.accesses_per_s else 0.0
+        click.echo(
+            f"{r.label:<26}{r.accesses_per_s:>12,.0f}{ratio:>7.2f}{r.p50_ms:>9.2f}"
+            f"{r.p99_ms:>9.2f}{r.decisions:>11,}{r.score_s:>9.2f}{r.elapsed_s:>8.2f}"
+        )
+
+
+def _kafka_up(bootstrap: str) -> bool:
+    from serving.kafka_broker import port_accepts
+
+    host, _, port = bootstrap.rpartition(":")
+    try:
+        return port_accepts(int(port), host=host or "127.0.0.1")
+    except ValueError:
+        return False
+
+
+@click.command("serve")
+@click.option("--requests", "num_requests", default=20_000, show_default=True, type=int)
+@click.option("--workload", default="mixed", show_default=True, help="Generator profile.")
+@click.option("--model", default=None, help="Saved policy dir or MLflow URI (default: train one).")
+@click.option("--batch-size", default=1024, show_default=True, type=int)
+@click.option(
+    "--kafka",
+    "kafka_bootstrap",
+    default=lambda: os.environ.get("KVWARM_KAFKA_BOOTSTRAP", "127.0.0.1:9092"),
+    show_default="$KVWARM_KAFKA_BOOTSTRAP or 127.0.0.1:9092",
+)
+@click.option("--profile-out", type=click.Path(dir_okay=False), default=None)
+def serve_bench(
+    num_requests: int,
+    workload: str,
+    model: str | None,
+    batch_size: int,
+    kafka_bootstrap: str,
+    profile_out: str | None,
+) -> None:
+    """Sidecar throughput (block accesses/s) and event-to-decision latency, learned vs LRU."""
+    from features.generator import generate_to_file, params_for
+
+    with tempfile.TemporaryDirectory(prefix="kvwarm-bench-serve-") as tmp_name:
+        tmp = Path(tmp_name)
+        trace = generate_to_file(
+            params_for(workload, num_requests=num_requests, seed=0), tmp / "t.jsonl"
+        )
+        if model is None:
+            t0 = time.perf_counter()
+            model = str(train_quick_model(trace, tmp / "model", num_requests))
+            click.echo(f"trained a LightGBM model in {time.perf_counter() - t0:.1f} s ({model})")
+        common: dict[str, Any] = {
+            "executor": "none",
+            "http_enabled": False,
+            "clock": "event",
+            "batch_size": batch_size,
+            "model_poll_interval_s": 0,
+        }
+        file_runs = []
+        for label, spec in (("file  lru", "lru"), ("file  learned", model)):
+            kwargs = {
+                **common,
+                "source": f"file:{trace}",
+                "model": spec,
+                "decisions": (f"file:{tmp / (label.split()[-1] + '.jsonl')}",),
+            }
+            prof = Path(profile_out) if profile_out and spec == model else None
+            file_runs.append(run_once(label, kwargs, prof))
+        _print(file_runs, file_runs[0])
+        if prof_path := profile_out:
+            click.echo(f"\nprofile of the learned run ({prof_path}), top by cumulative time:")
+            pstats.Stats(prof_path).sort_stats("cumulative").print_stats(25)
+
+        if not _kafka_up(kafka_bootstrap):
+            click.echo(
+                f"\nno Kafka broker at {kafka_bootstrap}: Kafka runs skipped (kvwarm kafka up)"
+            )
+            return
+        from serving.kafka_io import ensure_topics, produce_trace
+
+        kafka_runs = []
+        tag = f"{os.getpid()}-{int(time.time())}"
+        for label, spec in (("kafka lru", "lru"), ("kafka learned", model)):
+            topic = f"kvwarm.bench.events.{label.split()[-1]}.{tag}"
+            ensure_topics(kafka_bootstrap, {topic: 1})
+            report = produce_trace(trace, kafka_bootstrap, topic, progress=False)
+            kwargs = {
+                **common,
+                "source": f"kafka://{kafka_bootstrap}/{topic}",
+                "model": spec,
+                "decisions": (f"kafka://{kafka_bootstrap}/kvwarm.bench.decisions.{tag}",),
+                "kafka_group_id": f"bench-{label.split()[-1]}-{tag}",
+                "_max_events": report.num_events,
+            }
+            kafka_runs.append(run_once(label, kwargs))
+        click.echo("")
+        _print(kafka_runs, kafka_runs[0])

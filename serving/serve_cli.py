@@ -1,0 +1,415 @@
+"""``kvwarm serve``: the sidecar process, assembled from settings.
+
+``Service(settings)`` wires the pieces; ``run()`` drives them until the source ends or
+``stop()`` (SIGTERM/SIGINT in the CLI) is called:
+
+    source (file | kafka | zmq) -> MeteredSource -> Sidecar (policy from ModelManager,
+    Planner, Placement) -> DecisionMaker -> sink (executor, file, kafka: fan-out)
+
+At-least-once: ``Sidecar.run`` calls ``flush`` (every sink delivers) before the
+source's ``commit``. SIGTERM sets the stop flag; the batch in hand is finished, its
+decisions flushed, offsets committed, and the process exits 0. A crash (SIGKILL)
+loses nothing: uncommitted events are delivered again on restart and yield the same
+decision ids, which the executor applies once.
+
+Backpressure: the loop takes at most ``batch_size`` events per poll and does not poll
+again before they are handled, flushed and committed, so memory is bounded by one
+batch; when scoring falls behind, the source (Kafka) simply holds more, and the lag
+shows in ``kvwarm_lag_seconds`` and ``kvwarm_source_backlog_events``.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import sys
+import threading
+import time
+import tomllib
+from collections import deque
+from collections.abc import Callable
+from pathlib import Path
+from types import FrameType
+from typing import Any
+
+import click
+import numpy as np
+
+from features.events import Event
+from serving.decisions import (
+    DecisionMaker,
+    DecisionSink,
+    ExecutorSink,
+    FanOutSink,
+    NullSink,
+    open_sink,
+)
+from serving.http import HealthServer, SidecarMetrics
+from serving.loop import LoopStats, Sidecar
+from serving.model_lifecycle import ModelManager
+from serving.placement import Placement
+from serving.planner import Planner
+from serving.settings import Endpoint, SidecarSettings, load_settings
+from serving.sources import EventSource, FileSource
+
+log = logging.getLogger(__name__)
+
+
+def wall_ms() -> int:
+    return int(time.time() * 1000)
+
+
+class MeteredSource:
+    """Wraps an ``EventSource``: remembers when the current batch was polled (for the
+    event-to-decision latency), how many events it held, and the newest event time.
+
+    It also sizes batches: each poll asks for at most ``cap`` events, where ``cap`` is
+    the number of events the measured cost per event (handling + flush, smoothed)
+    fits in ``target_batch_latency_ms``, between 1 and the loop's ``batch_size``. A
+    slower model gives smaller batches, so latency stays near the target while the
+    backlog waits at the source (Kafka), not in memory here.
+    """
+
+    def __init__(
+        self, inner: EventSource, metrics: SidecarMetrics, target_batch_latency_ms: float = 20.0
+    ) -> None:
+        self.inner = inner
+        self.metrics = metrics
+        self.target_s = target_batch_latency_ms / 1000
+        self.cap = 16
+        self.cost_per_event_s = 0.0
+        self.polled_at_s = 0.0
+        self.num_unflushed = 0
+        self.newest_ts_ms = 0
+        self.num_polls = 0
+        self.latencies: deque[tuple[float, int]] = deque(maxlen=100_000)
+        """(seconds, events) per delivered batch, newest last (benchmarks read it)."""
+
+    @property
+    def exhausted(self) -> bool:
+        return self.inner.exhausted
+
+    def poll(self, max_events: int, timeout_ms: int) -> list[Event]:
+        events = self.inner.poll(max(1, min(max_events, self.cap)), timeout_ms)
+        self._max_events = max_events
+        self.num_polls += 1
+        if events:
+            if not self.num_unflushed:
+                self.polled_at_s = time.perf_counter()
+            self.num_unflushed += len(events)
+            self.newest_ts_ms = max(self.newest_ts_ms, events[-1].ts_ms)
+            self.metrics.lag_seconds = max(0.0, (wall_ms() - self.newest_ts_ms) / 1000)
+        return events
+
+    def delivered(self) -> float:
+        """The batch's decisions are delivered: observe its latency, return it (s)."""
+        latency = time.perf_counter() - self.polled_at_s
+        n = self.num_unflushed
+        if n:
+            self.metrics.observe_batch_latency(latency, n)
+            self.latencies.append((latency, n))
+            cost = latency / n
+            self.cost_per_event_s = (
+                cost if not self.cost_per_event_s else 0.8 * self.cost_per_event_s + 0.2 * cost
+            )
+            fit = int(self.target_s / self.cost_per_event_s) if self.cost_per_event_s else self.cap
+            self.cap = max(1, min(fit, getattr(self, "_max_events", fit)))
+        self.num_unflushed = 0
+        return latency
+
+    def commit(self) -> None:
+        self.inner.commit()
+
+    def close(self) -> None:
+        self.inner.close()
+
+    def stats(self) -> dict[str, Any]:
+        return self.inner.stats()
+
+
+class MeteredSidecar(Sidecar):
+    """The sidecar with each ``score`` call observed in the scoring histogram."""
+
+    observe_score: Callable[[float], None] = staticmethod(lambda s: None)  # type: ignore[assignment]
+
+    def score(self, block_hashes: np.ndarray, now_ms: int) -> np.ndarray:
+        t0 = time.perf_counter()
+        out = super().score(block_hashes, now_ms)
+        self.observe_score(time.perf_counter() - t0)
+        return out
+
+
+def open_source(settings: SidecarSettings) -> EventSource:
+    ep = settings.source_endpoint
+    if ep.scheme == "file":
+        return FileSource(ep.target, rejects_path=settings.rejects_path)
+    if ep.scheme == "kafka":
+        from serving.kafka_io import KafkaEventSource
+
+        return KafkaEventSource(
+            ep.target,
+            ep.topic,
+            group_id=settings.kafka_group_id,
+            dead_letter_topic=settings.kafka_dead_letter_topic,
+        )
+    if ep.scheme == "zmq":
+        from serving.zmq_source import ZmqEventSource
+
+        return ZmqEventSource.from_url(ep.target, rejects_path=settings.rejects_path)
+    raise click.UsageError(f"unsupported source {settings.source!r}")
+
+
+def load_local_executor(path: str | Path, clock_ms: Callable[[], float]) -> Any:
+    """The real executor from a TOML file::
+
+        [executor]            # ExecutorParams fields (state_dir, on_full, ...)
+        state_dir = "state"
+        [[tiers]]             # fastest first; kind + name + the tier's Params fields
+        kind = "memory"
+        name = "hbm"
+        capacity_bytes = 1048576
+
+    Relative paths (``state_dir``, a tier's ``root``) are relative to the file.
+    """
+    from executor import Executor, ExecutorParams
+    from executor.tiers import make_tier
+
+    path = Path(path)
+    try:
+        config = tomllib.loads(path.read_text())
+    except (OSError, tomllib.TOMLDecodeError) as exc:
+        raise click.UsageError(f"executor config {path}: {exc}") from exc
+    base = path.parent
+
+    def rel(value: Any) -> Any:
+        return (
+            str(base / value) if isinstance(value, str) and not Path(value).is_absolute() else value
+        )
+
+    tiers = []
+    for entry in config.get("tiers", []):
+        entry = dict(entry)
+        kind, name = entry.pop("kind", None), entry.pop("name", None)
+        if not kind or not name:
+            raise click.UsageError(f"executor config {path}: every [[tiers]] needs kind and name")
+        if "root" in entry:
+            entry["root"] = rel(entry["root"])
+        tiers.append(make_tier(kind, name, entry))
+    if not tiers:
+        raise click.UsageError(f"executor config {path}: no [[tiers]] given")
+    params = dict(config.get("executor", {}))
+    if "state_dir" in params:
+        params["state_dir"] = rel(params["state_dir"])
+    return Executor(tiers, ExecutorParams(**params), clock_ms=clock_ms)
+
+
+class Service:
+    """The assembled sidecar. Build, ``start()`` (HTTP, model polling), ``run()``,
+    ``close()``. ``stop()`` is safe from a signal handler or another thread."""
+
+    def __init__(self, settings: SidecarSettings, *, source: EventSource | None = None) -> None:
+        self.settings = settings
+        self.metrics = SidecarMetrics()
+        self._stop = threading.Event()
+        self._ready = False
+        self.now_ms = 0
+        self.clock: Callable[[], int] | None = wall_ms if settings.clock == "wall" else None
+
+        self.models = ModelManager(settings.model, tracking_uri=settings.mlflow_tracking_uri)
+        policy = self.models.load_initial()
+
+        self.executor: Any = None
+        tier_names, capacities = self._tiers()
+        self.placement = Placement(list(tier_names), list(capacities))
+        self.sidecar = MeteredSidecar(
+            policy,
+            Planner(settings.planner),
+            self.placement,
+            prefetch_interval_ms=settings.prefetch_interval_ms,
+            recent_requests=settings.recent_requests,
+            prefetch=settings.prefetch,
+        )
+        self.sidecar.observe_score = self.metrics.scoring_seconds.observe  # type: ignore[method-assign]
+        self.models.attach(self.sidecar)
+
+        sinks: list[DecisionSink] = []
+        self.executor_sink: ExecutorSink | None = None
+        if self.executor is not None:
+            self.executor_sink = ExecutorSink(
+                self.executor, block_size_bytes=settings.block_size_bytes
+            )
+            sinks.append(self.executor_sink)
+        for endpoint in settings.decision_endpoints:
+            sinks.append(open_sink(endpoint))
+        self.sink: DecisionSink = (
+            NullSink() if not sinks else sinks[0] if len(sinks) == 1 else FanOutSink(sinks)
+        )
+        self.decisions = DecisionMaker(
+            tier_names,
+            self.sink,
+            self.models.model_info,
+            deadline_ms=settings.decision_deadline_ms,
+            # An executor here stands in for the engine: it stores computed blocks too.
+            on_store=self.executor_sink.place_store if self.executor_sink is not None else None,
+        )
+        self.sidecar.hooks.append(self._track_now)
+        self.sidecar.hooks.append(self.decisions)
+
+        self.source = MeteredSource(
+            source or open_source(settings), self.metrics, settings.target_batch_latency_ms
+        )
+        self.metrics.bind(
+            sidecar=self.sidecar,
+            source=self.source,
+            decision_maker=self.decisions,
+            executor_sink=self.executor_sink,
+            model_manager=self.models,
+        )
+        self.http: HealthServer | None = None
+
+    # -- assembly ------------------------------------------------------------------------
+    def _tiers(self) -> tuple[tuple[str, ...], tuple[int, ...]]:
+        s = self.settings
+        ep: Endpoint = s.executor_endpoint
+        if ep.scheme == "sim":
+            from executor.sim import SimulatedExecutor, load_profile
+
+            profile = load_profile(None if ep.target == "default" else ep.target)
+            self.executor = SimulatedExecutor(
+                profile,
+                tiers=s.tier_names,
+                capacity_blocks=dict(zip(s.tier_names, s.tier_capacities_blocks, strict=True)),
+            )
+            caps = s.tier_capacities_blocks
+            return s.tier_names, caps
+        if ep.scheme == "local":
+            self.executor = load_local_executor(ep.target, self._now_for_executor)
+            names = tuple(self.executor.tier_names)
+            caps = tuple(
+                max(1, self.executor.tier(n).capacity_bytes // s.block_size_bytes) for n in names
+            )
+            return names, caps
+        return s.tier_names, s.tier_capacities_blocks
+
+    def _now_for_executor(self) -> float:
+        return float(self.now_ms if self.clock is None else wall_ms())
+
+    def _track_now(self, event: Any, moves: Any, now_ms: int) -> None:
+        self.now_ms = now_ms
+
+    def _flush(self) -> None:
+        self.sink.flush()
+        self.source.delivered()
+
+    # -- health --------------------------------------------------------------------------
+    def health(self) -> dict[str, Any]:
+        s = self.models.status
+        return {
+            "status": s.status,
+            "reason": s.reason,
+            "model": s.spec,
+            "policy": s.policy,
+            "model_version": s.version,
+            "last_reload_error": s.last_error,
+        }
+
+    def ready(self) -> bool:
+        return self._ready and not self._stop.is_set()
+
+    # -- running -------------------------------------------------------------------------
+    def start(self) -> Service:
+        s = self.settings
+        if s.http_enabled:
+            self.http = HealthServer(
+                self.metrics, self.health, self.ready, host=s.http_host, port=s.http_port
+            ).start()
+        self.models.start_polling(s.model_poll_interval_s)
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def run(self, max_events: int | None = None) -> LoopStats:
+        s = self.settings
+        self._ready = True
+        return self.sidecar.run(
+            self.source,
+            clock=self.clock,
+            stop=self._stop,
+            batch_size=s.batch_size,
+            poll_timeout_ms=s.poll_timeout_ms,
+            flush=self._flush,
+            max_events=max_events,
+        )
+
+    def close(self) -> None:
+        """Flush what is left, then release everything (safe to call twice)."""
+        self._ready = False
+        self.models.stop()
+        try:
+            self.sink.close()
+        finally:
+            self.source.close()
+            if self.http is not None:
+                self.http.close()
+                self.http = None
+
+
+@click.command("serve")
+@click.option("--source", help="kafka://HOST:PORT/TOPIC | file:PATH | zmq://HOST:PORT[?...]")
+@click.option("--model", help="lru | saved policy dir or model file | models:/NAME@ALIAS")
+@click.option("--executor", help="local:CONFIG.toml | sim:PROFILE | none")
+@click.option(
+    "--decisions",
+    multiple=True,
+    help="Also publish decisions here: kafka://HOST:PORT/TOPIC | file:PATH (repeatable).",
+)
+@click.option(
+    "--config",
+    "config_path",
+    type=click.Path(dir_okay=False, exists=True),
+    help="TOML/YAML settings file (also KVWARM_CONFIG). Flags > KVWARM_* env > file.",
+)
+@click.option("--http-host", help="Address of /healthz, /readyz, /metrics (default 127.0.0.1).")
+@click.option("--http-port", type=int, help="Port of the HTTP endpoints (0: any free port).")
+@click.option("--clock", type=click.Choice(["wall", "event"]), help="wall (serving) or event time.")
+@click.option("--batch-size", type=int, help="Most events between two flush+commit points.")
+@click.option("--model-poll-s", "model_poll_interval_s", type=float, help="Alias poll interval.")
+def serve(config_path: str | None, **flags: Any) -> None:
+    """Run the sidecar: events in, promote/demote decisions out.
+
+    Every setting can also come from KVWARM_<NAME> variables or a config file; see
+    serving/settings.py. SIGTERM finishes the batch in hand, delivers its decisions,
+    commits the source's offsets and exits 0.
+    """
+    flags["decisions"] = tuple(flags["decisions"]) or None
+    try:
+        settings = load_settings(config_path, **flags)
+    except Exception as exc:
+        raise click.UsageError(str(exc)) from exc
+    service = Service(settings).start()
+
+    def on_signal(signum: int, frame: FrameType | None) -> None:
+        log.info("signal %d: finishing the batch in hand, then exiting", signum)
+        service.stop()
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    if service.http is not None:
+        click.echo(f"kvwarm serve: health and metrics on {service.http.url}", err=True)
+    status = service.models.status
+    click.echo(
+        f"kvwarm serve: model {status.policy} {status.version} ({status.status}"
+        f"{': ' + status.reason if status.reason else ''})",
+        err=True,
+    )
+    try:
+        stats = service.run()
+    finally:
+        service.close()
+    click.echo(
+        f"kvwarm serve: {stats.events} events, {stats.block_accesses} block accesses, "
+        f"{service.decisions.num_decisions} decisions",
+        err=True,
+    )
+    sys.stdout.flush()
