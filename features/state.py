@@ -387,9 +387,10 @@ class FeatureState:
         """Drop the coldest rows (oldest last access), never those in ``protect``."""
         hw = self._high_water
         key = self._i64[:hw, _LAST].copy()
-        if protect.size:
-            key[protect] = np.iinfo(np.int64).max
-        evictable = hw - np.unique(protect).size
+        # Free rows hold nothing and protected rows must stay: neither is a candidate.
+        spared = np.unique(np.concatenate([protect, np.array(self._free, dtype=np.intp)]))
+        key[spared] = np.iinfo(np.int64).max
+        evictable = hw - spared.size
         if evictable < at_least:
             raise FeatureParamsError(
                 f"one request has more blocks than max_tracked_blocks "
