@@ -1,0 +1,130 @@
+"""``kvwarm bench features``: speed and memory of the online feature state.
+
+Measures, on the shared Mooncake conversation trace (``../shared/traces`` from the
+repository root) or, when it is absent, a generated trace of the same size:
+
+- update: block accesses per second folded into ``FeatureState`` (``observe``);
+- update + extraction: the same plus ``features_for`` on every request's blocks
+  right after it (what dataset building and per-request scoring do);
+- bytes per tracked block (array row + index entry);
+- dataset build time (``training.dataset.build_dataset`` with its defaults).
+
+Each rate is also given as a ratio to a same-process baseline: a plain
+``OrderedDict`` LRU pass (lookup + move-to-end / insert) over the same accesses,
+the least any per-block bookkeeping in Python costs. Ratios compare across noisy
+shared machines; absolute rates do not.
+"""
+
+from __future__ import annotations
+
+import cProfile
+import io
+import pstats
+import time
+from collections import OrderedDict
+from collections.abc import Callable
+from pathlib import Path
+
+import click
+
+from features.decoders import decode_mooncake, read_trace
+from features.events import BlocksAccessed
+from features.state import FeatureState
+
+SHARED_TRACE = Path("..") / "shared" / "traces" / "mooncake_conversation_trace.jsonl.gz"
+SHARED_TRACE_REQUESTS = 12_031
+
+
+def _load_events(trace: Path | None) -> tuple[list[BlocksAccessed], str]:
+    path = trace or (Path.cwd() / SHARED_TRACE)
+    if path.is_file():
+        return list(read_trace(path)), str(path)
+    from features.generator import generate, params_for
+
+    rows = generate(params_for("mixed", num_requests=SHARED_TRACE_REQUESTS, seed=0))
+    events = [decode_mooncake(row, str(i)) for i, row in enumerate(rows)]
+    return events, f"generated mixed workload, {SHARED_TRACE_REQUESTS} requests (shared trace not found)"
+
+
+def _lru_pass(events: list[BlocksAccessed]) -> None:
+    cache: OrderedDict[int, None] = OrderedDict()
+    move = cache.move_to_end
+    for event in events:
+        for h in event.block_hashes:
+            if h in cache:
+                move(h)
+            else:
+                cache[h] = None
+
+
+def _update(events: list[BlocksAccessed]) -> FeatureState:
+    state = FeatureState()
+    state.observe_many(events)
+    return state
+
+
+def _update_and_extract(events: list[BlocksAccessed]) -> None:
+    state = FeatureState()
+    for event in events:
+        state.observe(event)
+        state.features_for_slots(state.last_request_slots, event.ts_ms)
+
+
+def _best_of(repeats: int, fn: Callable[[], object]) -> float:
+    """Fastest of ``repeats`` runs, in seconds (the least disturbed by neighbours)."""
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+@click.command("features")
+@click.option("--trace", type=click.Path(dir_okay=False, path_type=Path), help="Trace to replay (default: the shared trace).")
+@click.option("--repeats", default=3, show_default=True, help="Runs per measurement; the fastest counts.")
+@click.option("--dataset/--no-dataset", default=True, show_default=True, help="Also time build_dataset.")
+@click.option("--profile", is_flag=True, help="Print the top functions of one update pass.")
+def features(trace: Path | None, repeats: int, dataset: bool, profile: bool) -> None:
+    """Block accesses/s of the online feature update and extraction, bytes per block."""
+    events, source = _load_events(trace)
+    num_accesses = sum(len(e.block_hashes) for e in events)
+    click.echo(f"trace: {source}")
+    click.echo(f"requests: {len(events):,}  block accesses: {num_accesses:,}")
+
+    lru_s = _best_of(repeats, lambda: _lru_pass(events))
+    update_s = _best_of(repeats, lambda: _update(events))
+    extract_s = _best_of(repeats, lambda: _update_and_extract(events))
+    state = _update(events)
+
+    def rate(seconds: float) -> str:
+        return f"{num_accesses / seconds:>12,.0f} accesses/s  ({lru_s / seconds:.3f}x the dict-LRU pass)"
+
+    click.echo(f"dict-LRU baseline pass:   {num_accesses / lru_s:>12,.0f} accesses/s")
+    click.echo(f"update (observe):         {rate(update_s)}")
+    click.echo(f"update + features_for:    {rate(extract_s)}")
+    click.echo(
+        f"tracked blocks: {state.num_tracked:,}  bytes per tracked block: "
+        f"{state.bytes_per_tracked_block():.1f}  (allocated incl. spare rows: "
+        f"{state.allocated_bytes() / max(state.num_tracked, 1):.1f})"
+    )
+    click.echo(f"features per row: {len(state.feature_names)}")
+    if dataset:
+        # Timing only: training builds on features, never the reverse in library code.
+        from training.dataset import build_dataset
+
+        start = time.perf_counter()
+        ds = build_dataset(events)
+        build_s = time.perf_counter() - start
+        click.echo(
+            f"build_dataset (defaults): {build_s:.2f} s for {ds.num_rows:,} rows "
+            f"({int(ds.is_snapshot.sum()):,} snapshot rows), {lru_s / build_s:.4f}x the dict-LRU pass"
+        )
+    if profile:
+        profiler = cProfile.Profile()
+        profiler.enable()
+        _update(events)
+        profiler.disable()
+        out = io.StringIO()
+        pstats.Stats(profiler, stream=out).sort_stats("tottime").print_stats(12)
+        click.echo(out.getvalue())
