@@ -48,10 +48,10 @@ class WorkloadParams:
     block_size_tokens: int = 512
     # Arrivals (sessions per second, before diurnal and burst modulation).
     session_rate_per_s: float = 1.5
-    diurnal_amplitude: float = 0.4
+    diurnal_amplitude: float = 0.25
     diurnal_period_s: float = 3600.0
-    burst_multiplier: float = 3.0
-    burst_mean_s: float = 30.0
+    burst_multiplier: float = 2.0
+    burst_mean_s: float = 20.0
     calm_mean_s: float = 400.0
     # Session mix: weights of each kind of session.
     mix: dict[str, float] = field(

@@ -33,7 +33,7 @@ import numpy as np
 from features.events import AllBlocksCleared, BlockRemoved, BlocksAccessed, BlockStored, Event
 from predictor.base import Policy
 from serving.placement import Placement
-from serving.planner import Move, Planner
+from serving.planner import AdmitFn, Move, Planner
 from serving.sources import EventSource
 
 log = logging.getLogger(__name__)
@@ -76,6 +76,8 @@ class Sidecar:
         self.prefetch_enabled = prefetch and placement.num_tiers > 1
         self.prefetch_interval_ms = prefetch_interval_ms
         self.prefetch_levels = prefetch_levels
+        self.prefetch_admit: AdmitFn | None = None
+        """Bandwidth budget check for speculative moves (set by the executor side)."""
         self.recent: deque[tuple[int, ...]] = deque(maxlen=recent_requests)
         self.hooks: list[MovesHook] = []
         self.stats = LoopStats()
@@ -124,7 +126,9 @@ class Sidecar:
         # Fill each tier from the ones below it, slowest last: a block predicted to
         # return soon climbs as far as it outscores the residents it would displace.
         for target in range(min(self.prefetch_levels, self.placement.num_tiers - 1)):
-            moves += self.planner.prefetch(self.placement, candidates, self.score, now_ms, target)
+            moves += self.planner.prefetch(
+                self.placement, candidates, self.score, now_ms, target, self.prefetch_admit
+            )
         if moves:
             self._emit(None, moves, now_ms)
         return moves

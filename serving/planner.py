@@ -36,6 +36,10 @@ from serving.placement import NOWHERE, Placement
 ScoreFn = Callable[[np.ndarray, int], np.ndarray]
 """(block hashes as uint64, now_ms) -> float scores, higher = keep / needed sooner."""
 
+AdmitFn = Callable[[int, int, int], bool]
+"""(from tier, to tier, now_ms) -> whether the link's prefetch bandwidth budget has room
+for one more block now; a True answer takes that room (the executor's token bucket)."""
+
 
 class PlannerParams(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
@@ -106,9 +110,11 @@ class Planner:
         score: ScoreFn,
         now_ms: int,
         target: int = 0,
+        admit: AdmitFn | None = None,
     ) -> list[Move]:
         """Promote the best ``candidates`` sitting below ``target`` into ``target`` while
-        they outscore its weakest sampled residents."""
+        they outscore its weakest sampled residents, at most ``prefetch_budget_blocks``
+        per round and only as far as ``admit`` (the links' bandwidth budgets) allows."""
         budget = self.params.prefetch_budget_blocks
         if budget <= 0 or not candidates:
             return []
@@ -138,11 +144,14 @@ class Planner:
                 j = res_order[0]
                 if s <= float(res_scores[j]) + self.params.prefetch_margin:
                     break  # candidates are in descending order: no later one wins either
+            src = placement.tier_of(block)
+            if admit is not None and not admit(src, target, now_ms):
+                continue  # that link's budget is spent; a block from another tier may fit
+            if free <= 0:
                 res_order.pop(0)
                 victim = residents[j]
                 self._demote(placement, victim, target, float(res_scores[j]), now_ms, moves)
                 free += 1
-            src = placement.tier_of(block)
             placement.move(block, target, now_ms)
             moves.append(Move(block, src, target, s, "prefetch"))
             free -= 1

@@ -137,7 +137,10 @@ def run_comparison(
     say = progress or (lambda message: log.info(message))
     profile: Profile = load_profile(config.profile)
     events = spread_ties(list(events))
-    scale = time_scale_for_load(events, profile.model.prefill_ms, config.load)
+    # The load is set on the replayed part: the one whose TTFT is measured.
+    scale = time_scale_for_load(
+        split_events(events, config.train_fraction)[1], profile.model.prefill_ms, config.load
+    )
     events = rescale_time(events, scale)
     train, test = split_events(events, config.train_fraction)
     if not test:
@@ -251,13 +254,17 @@ def run_comparison(
 
 
 def _peer_ratios(test: Sequence[BlocksAccessed], capacity: int) -> dict[str, Any]:
-    try:
-        from training.peers import peer_hit_ratios
-    except ImportError as exc:  # the module is optional at import time only
-        return {"unavailable": f"training.peers: {exc}"}
+    """libCacheSim's policies on the replayed block sequence: hit ratios of those that
+    ran, and the reason for each that did not."""
+    from training.peers import peer_hit_ratios
+
     arrays = access_arrays(test)
-    result = peer_hit_ratios(arrays.block_ids, capacity)
-    return result if isinstance(result, dict) and "hit_ratios" in result else {"hit_ratios": result}
+    results = peer_hit_ratios(arrays.block_ids, capacity, ts_ms=arrays.ts_ms)
+    return {
+        "hit_ratios": {name: r.hit_ratio for name, r in results.items() if r.available},
+        "unavailable": {name: r.error for name, r in results.items() if not r.available},
+        "seconds": {name: r.elapsed_s for name, r in results.items()},
+    }
 
 
 # --- presentation -----------------------------------------------------------------

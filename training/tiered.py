@@ -76,6 +76,7 @@ class TieredResult:
     prefetch_used: int = 0
     prefetch_timely: int = 0
     prefetch_wasted_bytes: int = 0
+    prefetch_refused: int = 0
     seconds: float = 0.0
     moves_by_kind: dict[str, int] = field(default_factory=dict)
 
@@ -144,6 +145,7 @@ class TieredResult:
             "prefetch_precision": self.prefetch_precision,
             "prefetch_timeliness": self.prefetch_timeliness,
             "prefetch_wasted_bytes": self.prefetch_wasted_bytes,
+            "prefetch_refused": self.prefetch_refused,
             "seconds": self.seconds,
             "moves_by_kind": dict(self.moves_by_kind),
         }
@@ -159,21 +161,30 @@ class _Timing:
         self.read_bytes = dict.fromkeys(self.names, 0)
         self.written_bytes = dict.fromkeys(self.names, 0)
         self.ready_at: dict[int, float] = {}  # block -> when its move into HBM completes
+        self.refused = 0  # speculative moves refused by a prefetch budget
 
-    def book(self, move: Move, at_ms: float, prefetch: bool) -> float:
+    def admit(self, from_tier: int, to_tier: int, now_ms: int) -> bool:
+        """The prefetch budget of both links (read side of the source, write side of the
+        destination): take room for one block if both have it."""
+        read, write = self.channels[from_tier].read, self.channels[to_tier].write
+        size = self.block_bytes
+        if not (read.admits_prefetch(now_ms, size) and write.admits_prefetch(now_ms, size)):
+            self.refused += 1
+            return False
+        read.charge_prefetch(now_ms, size)
+        write.charge_prefetch(now_ms, size)
+        return True
+
+    def book(self, move: Move, at_ms: float) -> float:
+        """Book a move's read and write; returns when it completes. Stores (computed
+        blocks) and evictions move no bytes."""
         done = at_ms
-        if move.from_tier != NOWHERE:
-            src = self.names[move.from_tier]
-            done = max(
-                done, self.channels[move.from_tier].read.book(at_ms, self.block_bytes, prefetch)
-            )
-            self.read_bytes[src] += self.block_bytes
-        if move.to_tier != NOWHERE and move.from_tier != NOWHERE:
-            dst = self.names[move.to_tier]
-            done = max(
-                done, self.channels[move.to_tier].write.book(at_ms, self.block_bytes, prefetch)
-            )
-            self.written_bytes[dst] += self.block_bytes
+        if move.from_tier != NOWHERE and move.to_tier != NOWHERE:
+            size = self.block_bytes
+            done = max(done, self.channels[move.from_tier].read.book(at_ms, size))
+            done = max(done, self.channels[move.to_tier].write.book(at_ms, size))
+            self.read_bytes[self.names[move.from_tier]] += size
+            self.written_bytes[self.names[move.to_tier]] += size
         if move.to_tier == 0:
             self.ready_at[move.block] = done
         else:
@@ -220,7 +231,7 @@ def replay_tiered(
             if m.kind == "demand":
                 state["demand"].append(m)  # booked below, at arrival or at start
             elif m.kind == "prefetch":
-                timing.book(m, now_ms, prefetch=True)
+                timing.book(m, now_ms)
                 if m.to_tier == 0:
                     prefetched[m.block] = now_ms
                     counters["prefetched"] += 1
@@ -228,12 +239,10 @@ def replay_tiered(
                 if m.block in prefetched and m.from_tier == 0:
                     del prefetched[m.block]
                     counters["wasted"] += timing.block_bytes
-                if m.kind != "evict":
-                    timing.book(m, now_ms, prefetch=True)  # write-back traffic
-                else:
-                    timing.ready_at.pop(m.block, None)
+                timing.book(m, now_ms)  # write-back traffic; evictions move nothing
 
     sidecar.hooks.append(on_moves)
+    sidecar.prefetch_admit = timing.admit
     t_wall = time.perf_counter()
     for i, event in enumerate(events):
         t_a = float(event.ts_ms)
@@ -259,7 +268,7 @@ def replay_tiered(
         book_at = t_a if prewarm else t_s
         ready = t_s
         for m in state["demand"]:
-            ready = max(ready, timing.book(m, book_at, prefetch=False))
+            ready = max(ready, timing.book(m, book_at))
         for block, tier in zip(blocks, tiers, strict=True):
             if tier == 0:
                 ready = max(ready, timing.ready_at.get(block, 0.0))
@@ -292,6 +301,7 @@ def replay_tiered(
         prefetch_used=counters["used"],
         prefetch_timely=counters["timely"],
         prefetch_wasted_bytes=counters["wasted"],
+        prefetch_refused=timing.refused,
         seconds=time.perf_counter() - t_wall,
         moves_by_kind=dict(sidecar.stats.moves_by_kind),
     )
