@@ -558,7 +558,7 @@ class Executor:
         for key in list(self.journal.pins):
             if key not in self._where:
                 self.journal.pins.discard(key)
-        self.journal.compact()
+        self.journal.compact(drop_pending=True)
         return recovery
 
     def close(self) -> None:

@@ -11,8 +11,9 @@ Records, one JSON object per line:
 - ``{"p": key, "on": true|false}``: a block was pinned or unpinned.
 
 A torn last line (crash mid-append) is ignored. ``compact`` rewrites the file
-atomically with only the remembered ids (the newest ``max_ids``) and the pins, after
-recovery has resolved every pending move. Appends go straight to the kernel
+atomically with only the remembered ids (the newest ``max_ids``), the pins and the
+moves still pending; it runs after recovery and whenever the file has grown to
+``compact_every`` records. Appends go straight to the kernel
 (``os.write`` on an ``O_APPEND`` descriptor), so a killed process loses none;
 ``fsync=True`` also survives power loss.
 """
@@ -39,12 +40,21 @@ class PendingMove:
 class Journal:
     """``path=None`` keeps everything in memory (idempotence within one process only)."""
 
-    def __init__(self, path: str | Path | None, *, fsync: bool = True, max_ids: int = 1_000_000):
+    def __init__(
+        self,
+        path: str | Path | None,
+        *,
+        fsync: bool = True,
+        max_ids: int = 1_000_000,
+        compact_every: int = 200_000,
+    ):
         if max_ids < 1:
             raise ValueError(f"max_ids must be >= 1, got {max_ids}")
         self.path = Path(path) if path is not None else None
         self.fsync = fsync
         self.max_ids = max_ids
+        self.compact_every = max(compact_every, 1)
+        self._num_records = 0
         self._lock = threading.Lock()
         self._done: OrderedDict[str, None] = OrderedDict()
         self.pending: dict[str, PendingMove] = {}
@@ -101,6 +111,9 @@ class Journal:
             os.write(self._fd, json.dumps(record, separators=(",", ":")).encode() + b"\n")
             if self.fsync:
                 os.fsync(self._fd)
+            self._num_records += 1
+            if self._num_records >= self.compact_every:
+                self._rewrite()
 
     # -- records ------------------------------------------------------------------
     def is_done(self, decision_id: str) -> bool:
@@ -119,31 +132,39 @@ class Journal:
         self._append({"p": key, "on": pinned})
 
     # -- maintenance ----------------------------------------------------------------
-    def compact(self) -> None:
-        """Rewrite the file with the remembered ids and pins only; pending moves are
-        dropped, so call this after recovery has resolved them."""
+    def compact(self, drop_pending: bool = False) -> None:
+        """Rewrite the file with the remembered ids, the pins and (unless
+        ``drop_pending``, which recovery uses once it has resolved them) pending moves."""
         with self._lock:
-            self.pending.clear()
-            if self.path is None:
-                return
-            lines = [json.dumps({"d": d, "s": "done"}, separators=(",", ":")) for d in self._done]
-            lines += [
-                json.dumps({"p": k, "on": True}, separators=(",", ":")) for k in sorted(self.pins)
-            ]
-            tmp = self.path.with_name(self.path.name + ".compact")
-            with open(tmp, "wb") as f:
-                f.write(("\n".join(lines) + "\n").encode() if lines else b"")
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, self.path)
-            dir_fd = os.open(self.path.parent, os.O_RDONLY | os.O_DIRECTORY)
-            try:
-                os.fsync(dir_fd)
-            finally:
-                os.close(dir_fd)
-            if self._fd is not None:
-                os.close(self._fd)
-            self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CLOEXEC)
+            if drop_pending:
+                self.pending.clear()
+            self._rewrite()
+
+    def _rewrite(self) -> None:
+        """Caller holds the lock."""
+        self._num_records = 0
+        if self.path is None:
+            return
+        records: list[dict[str, Any]] = [{"d": d, "s": "done"} for d in self._done]
+        records += [{"p": k, "on": True} for k in sorted(self.pins)]
+        records += [
+            {"b": m.move_id, "k": m.key, "f": m.src, "t": m.dst} for m in self.pending.values()
+        ]
+        text = "".join(json.dumps(r, separators=(",", ":")) + "\n" for r in records)
+        tmp = self.path.with_name(self.path.name + ".compact")
+        with open(tmp, "wb") as f:
+            f.write(text.encode())
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, self.path)
+        dir_fd = os.open(self.path.parent, os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            os.fsync(dir_fd)
+        finally:
+            os.close(dir_fd)
+        if self._fd is not None:
+            os.close(self._fd)
+        self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CLOEXEC)
 
     def close(self) -> None:
         with self._lock:

@@ -7,7 +7,8 @@ Primitives (all thread-safe; ``block_id`` is an int hash or a safe string id, se
 - ``read(block_id) -> Buffer``: the payload, checksum verified. Raises
   ``BlockNotFoundError``; raises ``CorruptBlockError`` after quarantining a block
   whose checksum fails (callers treat that as a miss, never serve the bytes).
-- ``write(block_id, data, checksum=None)``: store atomically. Either the whole
+- ``write(block_id, data, checksum=None)``: store atomically. A tier may keep a
+  read-only ``memoryview`` or ``bytes`` it is given instead of copying it. Either the whole
   block is committed and verified, or nothing is left behind. Raises
   ``TierFullError`` when it does not fit: a tier never exceeds its capacity.
 - ``discard(block_id) -> bool``: drop it (True if it was here).

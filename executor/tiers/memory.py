@@ -19,13 +19,17 @@ class MemoryTierParams(TierParams):
     trades a CPU pass over the payload (~1-2 GB/s per core) for trust in ECC."""
 
 
+def _readonly(data: Buffer) -> bool:
+    return isinstance(data, memoryview) and data.readonly and data.contiguous
+
+
 class MemoryTier(Tier):
     Params = MemoryTierParams
     params: MemoryTierParams
 
     def __init__(self, name: str, params: MemoryTierParams) -> None:
         super().__init__(name, params)
-        self._blocks: dict[str, tuple[bytes, int]] = {}
+        self._blocks: dict[str, tuple[Buffer, int]] = {}
 
     def _read(self, key: str) -> tuple[Buffer, int]:
         try:
@@ -39,8 +43,9 @@ class MemoryTier(Tier):
         return data, crc
 
     def _commit(self, key: str, data: Buffer, crc: int | None) -> None:
-        # Own an immutable copy: a caller's bytearray could change under us.
-        payload = data if isinstance(data, bytes) else bytes(data)
+        # Keep immutable buffers as they are (a read-only view from another tier's read
+        # is a private buffer); copy anything the caller could still change.
+        payload = data if isinstance(data, bytes) or _readonly(data) else bytes(data)
         self._blocks[key] = (payload, checksum(payload) if crc is None else crc)
 
     def _discard(self, key: str) -> None:

@@ -268,3 +268,21 @@ def test_hostile_ids_are_refused_by_the_executor(tmp_path: Path) -> None:
             ex.read(bad)
     assert sorted(p.name for p in (tmp_path / "nvme").iterdir()) == [".quarantine", ".tmp"]
     ex.close()
+
+
+def test_journal_compacts_itself_and_keeps_ids_pins_and_pending(tmp_path: Path) -> None:
+    from executor.journal import Journal
+
+    journal = Journal(tmp_path / "j.jsonl", fsync=False, max_ids=3, compact_every=5)
+    journal.begin_move("m0", "k0", "nvme", "dram")
+    journal.set_pin("k9", True)
+    for i in range(20):
+        journal.decision_done(f"d{i}", "applied")
+    lines = (tmp_path / "j.jsonl").read_text().splitlines()
+    # 22 records appended; rewrites keep 3 ids + 1 pin + 1 pending, plus < 5 appended since.
+    assert len(lines) < 3 + 1 + 1 + 5
+    journal.close()
+    reopened = Journal(tmp_path / "j.jsonl", fsync=False, max_ids=3)
+    assert [d for d in ("d16", "d17", "d18", "d19") if reopened.is_done(d)] == ["d17", "d18", "d19"]
+    assert reopened.pins == {"k9"} and list(reopened.pending) == ["m0"]
+    reopened.close()
