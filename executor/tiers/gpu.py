@@ -77,7 +77,14 @@ class GpuTier(Tier):
         if self.on_cuda:
             torch = self._torch
             assert torch is not None
-            host = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+            size = memoryview(data).nbytes
+            # frombuffer wants a writable buffer; the copy is the pinned-less staging
+            # a real engine would do with cudaMemcpy from host memory.
+            host = (
+                torch.frombuffer(bytearray(data), dtype=torch.uint8)
+                if size
+                else torch.empty(0, dtype=torch.uint8)
+            )
             stored: Any = host.to(self._device)
             torch.cuda.synchronize(self._device)
         else:
