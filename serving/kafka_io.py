@@ -284,6 +284,10 @@ class KafkaEventSource:
       those events are delivered again (to whoever owns the partition).
     - ``close()``: without committing.
 
+    ``group_instance_id`` (static membership, KIP-345): give each sidecar a stable id
+    and a restarted process takes its partitions back at once, without waiting out
+    the session timeout of the one that died or moving partitions around.
+
     Events without a ``request_id`` of their own (Mooncake rows) get
     ``"<topic>/<partition>/<offset>"``, so a redelivered event has the same id.
     """
@@ -294,6 +298,7 @@ class KafkaEventSource:
         topics: str | Sequence[str],
         *,
         group_id: str = "kvwarm",
+        group_instance_id: str | None = None,
         dead_letter_topic: str | None = None,
         client_id: str = "kvwarm-source",
         auto_offset_reset: Literal["earliest", "latest"] = "earliest",
@@ -314,6 +319,7 @@ class KafkaEventSource:
         consumer_cfg = {
             **base,
             "group_id": group_id,
+            "group_instance_id": group_instance_id,
             "enable_auto_commit": False,
             "auto_offset_reset": auto_offset_reset,
             "session_timeout_ms": session_timeout_ms,

@@ -40,8 +40,9 @@ def main() -> None:
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--hang-after", type=int, default=0)
     args = parser.parse_args()
+    # Static membership: the restarted process takes the dead one's place at once.
     source = KafkaEventSource(
-        args.bootstrap, args.topic, group_id=args.group, session_timeout_ms=2_000
+        args.bootstrap, args.topic, group_id=args.group, group_instance_id="crash-test-consumer"
     )
     handled = 0
     with open(args.out, "a", encoding="utf-8") as out:
@@ -70,14 +71,18 @@ def _spawn(
 
 
 def _wait_for(
-    condition: Callable[[], bool], timeout_s: float, what: str, proc: subprocess.Popen[bytes]
+    condition: Callable[[], bool],
+    timeout_s: float,
+    what: str,
+    proc: subprocess.Popen[bytes],
+    progress: Callable[[], str] = lambda: "",
 ) -> None:
     deadline = time.monotonic() + timeout_s
     while not condition():
         if proc.poll() is not None:
             pytest.fail(f"consumer process exited with {proc.returncode} while waiting for {what}")
         if time.monotonic() > deadline:
-            pytest.fail(f"timed out after {timeout_s} s waiting for {what}")
+            pytest.fail(f"timed out after {timeout_s} s waiting for {what} {progress()}")
         time.sleep(0.05)
 
 
@@ -121,13 +126,14 @@ def test_sigkilled_consumer_resumes_without_loss(
     assert len(handled_before_crash) >= HANG_AFTER
 
     second = _spawn(kafka_bootstrap, topic, group, second_out)
+    wanted = {e.request_id for e in events}
     try:
-        wanted = {e.request_id for e in events}
         _wait_for(
             lambda: wanted <= set(handled_before_crash) | set(_ids(second_out)),
-            90,
+            60,
             "every event",
             second,
+            lambda: f"{len(wanted - set(handled_before_crash) - set(_ids(second_out)))} missing",
         )
     finally:
         second.terminate()
