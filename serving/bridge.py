@@ -15,10 +15,12 @@ sent to every partition (keyed by engine id), so each partition's consumer reset
 an engine restarts (sequence goes back), a synthetic ``AllBlocksCleared`` with header
 ``kvwarm.synthetic: restart`` goes out first, the same way.
 
-Delivery is at-least-once: a step's records are flushed (acks=all, idempotent producer)
-before the next ZMQ batch is read, a failed flush re-sends the whole step, and with
-``state_path`` the last delivered sequence per engine is saved after each flush, so a
-restarted bridge asks the engines' replay buffers for what it had not delivered.
+Delivery is at-least-once: records are handed to the producer (acks=all, idempotent) as
+they are read and flushed when the stream is caught up, or every few thousand records or
+200 ms under a backlog; a failed flush re-sends everything since the last good one; only
+flushed sequences count as delivered, and with ``state_path`` the last delivered sequence
+per engine is saved after each flush, so a restarted bridge asks the engines' replay
+buffers for what it had not delivered.
 Undecodable payloads go unchanged to the dead-letter topic with the reason headers of
 ``serving.kafka_io``.
 """
@@ -169,6 +171,8 @@ class Bridge:
         max_roots: int = DEFAULT_MAX_ROOTS,
         delivery_attempts: int = 8,
         flush_timeout_s: float = 30.0,
+        max_unflushed_records: int = 5_000,
+        max_flush_interval_s: float = 0.2,
     ) -> None:
         if num_partitions < 1:
             raise ValueError(f"topic {topic} needs at least one partition, got {num_partitions}")
@@ -180,6 +184,12 @@ class Bridge:
         self.state_path = Path(state_path) if state_path else None
         self.delivery_attempts = delivery_attempts
         self.flush_timeout_s = flush_timeout_s
+        self.max_unflushed_records = max_unflushed_records
+        self.max_flush_interval_s = max_flush_interval_s
+        self._unflushed: list[_Record] = []
+        self._unflushed_seq: dict[str, int] = {}
+        self._resend = False
+        self._last_flush_s = time.monotonic()
         self.roots = PrefixRoots(max_roots)
         self.delivered_seq: dict[str, int] = {}
         self.num_batches = 0
@@ -259,11 +269,14 @@ class Bridge:
                     r.value, key=r.key, headers=r.headers, topic=r.topic or self.topic
                 )
 
-    def deliver(self, records: list[_Record]) -> None:
-        """Send and flush; on failure send everything again (at-least-once), with backoff."""
+    def deliver(self, records: list[_Record], *, already_sent: bool = False) -> None:
+        """Flush ``records`` (sending them first unless ``already_sent``); on failure send
+        everything again (at-least-once: duplicates are possible, losses are not), with
+        backoff, at most ``delivery_attempts`` times."""
         for attempt in range(1, self.delivery_attempts + 1):
             try:
-                self._send(records)
+                if attempt > 1 or not already_sent:
+                    self._send(records)
                 self.sink.flush(self.flush_timeout_s)
                 return
             except Exception as exc:  # the producer's errors (kafka-python's live in kafka_io)
@@ -283,18 +296,46 @@ class Bridge:
                 time.sleep(delay_s)
 
     def step(self, max_batches: int = 256, timeout_ms: int = 100) -> int:
-        """Forward what arrived (waiting up to ``timeout_ms``); returns records delivered."""
-        batches = self.subscriber.receive(max_batches, timeout_ms)
-        if not batches:
-            return 0
+        """Forward what arrived (waiting up to ``timeout_ms`` when nothing is unflushed);
+        returns the number of records sent.
+
+        Records go to the producer at once; the flush (waiting for acks) happens when the
+        stream is caught up (fewer than ``max_batches`` were waiting), every
+        ``max_unflushed_records`` records, or ``max_flush_interval_s``, so a backlog
+        is produced in large pipelined runs. Only flushed sequences count as delivered.
+        """
+        batches = self.subscriber.receive(max_batches, 0 if self._unflushed_seq else timeout_ms)
         records = [r for batch in batches for r in self.records(batch)]
-        self.deliver(records)
+        if records:
+            try:
+                self._send(records)
+            except Exception as exc:  # the flush resends everything unflushed
+                self._resend = True
+                logger.warning("sending failed (%s); will resend at the flush", exc)
+        self._unflushed.extend(records)
+        for batch in batches:
+            self._unflushed_seq[batch.engine_id] = batch.seq
         self.num_batches += len(batches)
         self.num_records += len(records)
-        for batch in batches:
-            self.delivered_seq[batch.engine_id] = batch.seq
-        self._save_state()
+        if self._unflushed_seq and (
+            len(batches) < max_batches
+            or len(self._unflushed) >= self.max_unflushed_records
+            or time.monotonic() - self._last_flush_s >= self.max_flush_interval_s
+        ):
+            self.flush()
         return len(records)
+
+    def flush(self) -> None:
+        """Wait until everything sent is acknowledged, then mark it delivered (and save the
+        state file). Raises ``BridgeDeliveryError`` when the attempts run out."""
+        if self._unflushed:
+            self.deliver(self._unflushed, already_sent=not self._resend)
+        self._resend = False
+        self.delivered_seq.update(self._unflushed_seq)
+        self._unflushed = []
+        self._unflushed_seq = {}
+        self._last_flush_s = time.monotonic()
+        self._save_state()
 
     def run(
         self,
@@ -303,18 +344,20 @@ class Bridge:
         max_batches: int | None = None,
         report_every_s: float = 10.0,
     ) -> None:
-        """Loop ``step`` until ``duration_s`` passed or ``max_batches`` were forwarded."""
+        """Loop ``step`` until ``duration_s`` passed or ``max_batches`` were forwarded,
+        then flush."""
         start = last_report = time.monotonic()
         while True:
             now = time.monotonic()
             if duration_s is not None and now - start >= duration_s:
-                return
+                break
             if max_batches is not None and self.num_batches >= max_batches:
-                return
+                break
             self.step()
             if now - last_report >= report_every_s:
                 last_report = now
                 logger.info("bridge: %s", json.dumps(self.stats()))
+        self.flush()
 
     def stats(self) -> dict[str, Any]:
         return {
@@ -399,7 +442,7 @@ def bridge(
     try:
         runner.run(duration_s=duration_s, max_batches=max_batches)
     except KeyboardInterrupt:
-        pass
+        runner.flush()  # what was sent is acknowledged (and saved) before exiting
     finally:
         subscriber.close()
         producer.close()

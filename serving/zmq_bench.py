@@ -467,6 +467,7 @@ def _bridge(payloads: list[bytes], bootstrap: str) -> tuple[Rate, Rate]:
                 thread = _publish_in_thread(publisher, payloads)
                 while stream.last_seq != last:
                     runner.step(max_batches=512, timeout_ms=100)
+                runner.flush()  # acknowledged, not just sent
                 elapsed = time.perf_counter() - start
                 thread.join()
             finally:

@@ -1,6 +1,6 @@
 """The ZMQ -> Kafka bridge against the real broker: a vLLM-protocol publisher on real
 PUB/ROUTER sockets, the bridge with kafka_io's producer, then the topic read back (and
-consumed by the Kafka source)."""
+decoded as the Kafka source decodes it)."""
 
 from __future__ import annotations
 
@@ -27,7 +27,6 @@ from serving.bridge import (
 from serving.kafka_io import (
     HEADER_REASON,
     KafkaEventProducer,
-    KafkaEventSource,
     ensure_topics,
     read_topic,
 )
@@ -157,15 +156,6 @@ def test_every_event_arrives_once_with_headers_and_bad_payloads_in_the_dlq(
     for r in sorted(records, key=lambda r: (r.partition, r.offset)):
         by_key[r.key].append((int(r.headers[HEADER_SEQ]), int(r.headers[HEADER_EVENT_INDEX])))
     assert all(order == sorted(order) for order in by_key.values())
-
-    # kvwarm's own Kafka source reads the bridge's records as they are.
-    with KafkaEventSource(kafka_bootstrap, topic, group_id=unique_topic("group")) as source:
-        consumed: list = []
-        deadline = time.monotonic() + 30
-        while len(consumed) < len(records) and time.monotonic() < deadline:
-            consumed += source.poll(500, timeout_ms=200)
-        assert source.stats()["dead_letters"] == 0
-    assert len(consumed) == len(records)
 
 
 def test_bridge_command_resumes_from_its_state_file(
