@@ -154,9 +154,11 @@ def _single(batch: Any, raw_event: Any) -> bytes:
 class Bridge:
     """Forwards an engine stream (``ZmqSubscriber``) into a topic through a ``RecordSink``.
 
-    ``step`` reads up to ``max_batches`` batches, sends their records and flushes; the
-    caller loops (``run``). ``num_partitions`` is the topic's partition count, used to
-    send clears to every partition.
+    ``step`` reads up to ``max_batches`` batches and sends their records, flushing as
+    described there; the caller loops (``run``), and calls ``flush`` before stopping.
+    ``num_partitions`` is the topic's partition count, used to send clears to every
+    partition. ``delivered_seq`` (engine id -> last acknowledged batch) starts from the
+    subscriber's ``resume_after``.
     """
 
     def __init__(
@@ -191,7 +193,11 @@ class Bridge:
         self._resend = False
         self._last_flush_s = time.monotonic()
         self.roots = PrefixRoots(max_roots)
-        self.delivered_seq: dict[str, int] = {}
+        self.delivered_seq: dict[str, int] = {
+            engine_id: stream.last_seq
+            for engine_id, stream in subscriber.streams.items()
+            if stream.last_seq is not None
+        }
         self.num_batches = 0
         self.num_records = 0
         self.num_events = 0
