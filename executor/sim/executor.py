@@ -3,7 +3,8 @@
 It keeps where every block is (one tier per block: moves are exclusive, like the real
 executor's), when its copy there becomes usable, per-tier capacity and LRU order,
 and books every transfer on the timing model of ``executor.sim.timing``. No
-payloads, no sleeping, O(1) work per block (O(log parallelism) per transfer).
+payloads, no sleeping, O(1) work per block (O(log parallelism) per transfer). Not
+thread-safe: one replay drives one instance.
 
 Replay-facing calls (``now_ms`` is simulated time in ms, float):
 
