@@ -64,7 +64,9 @@ class DirectoryTierParams(TierParams):
     """fsync each block and the directory before a write counts as done. Off only for
     tests on throwaway data: without it a power loss can lose acknowledged blocks."""
     verify_writes: bool = True
-    """Read each written temp file back and check its CRC32 before the rename."""
+    """Read each written temp file back and check its CRC32 before the rename. After
+    the fsync this usually reads the page cache: it catches a wrong or torn write from
+    this process, not media errors (those are caught when the block is next read cold)."""
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -86,6 +88,11 @@ class DirectoryTier(Tier):
         self._quarantine_dir = self.root / _QUARANTINE
         for path in (self.root, self._tmp_dir, self._quarantine_dir):
             path.mkdir(parents=True, exist_ok=True)
+            # A link planted in place of .tmp or .quarantine would send writes elsewhere.
+            if path != self.root and not stat.S_ISDIR(os.lstat(path).st_mode):
+                raise NotADirectoryError(
+                    f"{path} must be a real directory, not a link; remove it and restart"
+                )
         # Index what is there now (names and sizes only); the executor's recovery then
         # reads everything through its checksum. What this pass found is reported by
         # the next recover() call.

@@ -175,6 +175,15 @@ def test_a_link_planted_at_a_block_path_is_not_followed(tmp_path: Path, payload:
     assert outside.read_bytes() == b"x" * 124
 
 
+def test_a_link_in_place_of_the_temp_directory_is_refused(tmp_path: Path) -> None:
+    root = tmp_path / "nvme"
+    root.mkdir()
+    (tmp_path / "elsewhere").mkdir()
+    os.symlink(tmp_path / "elsewhere", root / ".tmp")
+    with pytest.raises(NotADirectoryError, match="not a link"):
+        _disk(tmp_path)
+
+
 def test_failed_write_leaves_no_partial_state(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, payload: Payload
 ) -> None:
