@@ -5,7 +5,7 @@ files in the same run.
 Each pass starts cold: the block files are fsynced when written and dropped from the
 page cache with ``posix_fadvise(DONTNEED)`` before every measured pass, so reads come
 from the device (as the seed's cold NVMe reads do). A promote is the executor's real
-path: read, CRC32 verify, store in the memory tier, discard the file, journal.
+path: read, CRC32C verify, store in the memory tier, discard the file, journal.
 Figures are ratios against the raw read of the same run, so they compare across
 machines; the absolute GB/s are the device's.
 """
@@ -168,6 +168,6 @@ def bench_executor(sizes_mb: str, total_mb: int, threads: int, workdir: Path | N
             f"{row['raw_cpu_s_per_gb']:>12.2f} {row['promote_cpu_s_per_gb']:>8.2f}"
         )
     click.echo(
-        "CPU s/GB: this process's CPU time per GB moved (CRC32, page faults, copies); on a "
+        "CPU s/GB: this process's CPU time per GB moved (CRC32C, page faults, copies); on a "
         "busy machine it, not the disk, bounds promote throughput."
     )

@@ -12,7 +12,7 @@ Primitives:
 - ``write(block, data, tier)``: store a new block (KV an engine just computed).
 - ``locate(block)``, ``is_pinned(block)``, ``stats()``, ``close()``.
 
-A move (promote or demote) is: journal ``begin`` -> read the source (CRC32 verified)
+A move (promote or demote) is: journal ``begin`` -> read the source (CRC32C verified)
 -> make room at the destination if needed -> write the destination atomically (temp
 name, fsync, verify, rename) -> discard the source -> journal ``done``. A crash
 anywhere leaves the block in the source, or in both (recovery finishes the move), or
@@ -20,7 +20,7 @@ in the destination; never nowhere. Moves into volatile tiers (memory, GPU) lose 
 block on a crash by nature: only durable tiers keep blocks across restarts.
 
 Recovery on start: each tier rebuilds its index (temp files removed, every block's
-CRC32 checked with ``verify_on_recovery``, corrupt blocks quarantined); then moves
+CRC32C checked with ``verify_on_recovery``, corrupt blocks quarantined); then moves
 the journal shows in flight are finished (block in both tiers: drop the source) or
 rolled back (only in the source); any other duplicate keeps its fastest copy.
 
@@ -81,7 +81,7 @@ class ExecutorParams:
     either way)."""
     max_remembered_ids: int = 1_000_000
     verify_on_recovery: bool = True
-    """Read every durable block through its CRC32 at start. Off: only sizes checked
+    """Read every durable block through its CRC32C at start. Off: only sizes checked
     (faster start on large tiers; corruption is still caught on read)."""
     prefetch_budget_bytes_per_s: Mapping[str, float] = field(default_factory=dict)
     """Destination tier -> bytes/s that promotes into it may use."""

@@ -15,7 +15,7 @@ Primitives (all thread-safe; ``block_id`` is an int hash or a safe string id, se
 - ``used_bytes`` / ``capacity_bytes``: payload bytes held / allowed.
 
 Helpers with default implementations: ``read_with_checksum`` (moves pass the
-source's CRC32 on to the destination so it is computed once), ``block_keys``, ``size_of``,
+source's CRC32C on to the destination so it is computed once), ``block_keys``, ``size_of``,
 ``recover`` (called once at executor start: drop temp files, rebuild the index,
 quarantine corrupt blocks) and ``close``.
 
@@ -28,10 +28,11 @@ count for anyone.
 from __future__ import annotations
 
 import threading
-import zlib
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import ClassVar
+
+import crc32c
 
 from executor.block_ids import BlockId, block_key
 from executor.names import check_tier_name
@@ -40,11 +41,14 @@ Buffer = bytes | bytearray | memoryview
 """Block payloads: serialized KV tensors. Tiers return whichever avoids a copy."""
 
 
-def checksum(data: Buffer) -> int:
-    """CRC32 of a payload. zlib releases the GIL on large buffers, so parallel moves
-    checksum in parallel. CRC32 detects the corruption tiers suffer (flipped bits,
+def checksum(data: Buffer, value: int = 0) -> int:
+    """CRC32C (Castagnoli) of a payload, continuing from ``value`` (chunked reads).
+
+    The crc32c package uses the CPU's CRC instructions (several GB/s per core, ~3x
+    zlib's CRC32C) and releases the GIL on large buffers, so parallel moves checksum in
+    parallel. It detects the corruption tiers suffer (flipped bits,
     torn or truncated writes); it is not meant to resist tampering."""
-    return zlib.crc32(data) & 0xFFFFFFFF
+    return int(crc32c.crc32c(data, value))
 
 
 class TierError(Exception):
@@ -179,7 +183,7 @@ class Tier(ABC):
         return self._read(key)
 
     def write(self, block_id: BlockId, data: Buffer, checksum: int | None = None) -> None:
-        """Store ``data`` atomically. ``checksum``: the payload's CRC32 when the caller
+        """Store ``data`` atomically. ``checksum``: the payload's CRC32C when the caller
         already has it (a move); it is written as the block's checksum, so a wrong
         value makes the block read as corrupt, never silently wrong."""
         key = block_key(block_id)

@@ -7,11 +7,11 @@ Layout under ``root``::
     .tmp/<key>.<nonce>    writes in progress (removed by ``recover``)
     .quarantine/<key>.<ns> blocks that failed verification, kept for inspection
 
-Header: magic ``KVWB``, format version, payload length (u64), CRC32 (u32). A write
+Header: magic ``KVWB``, format version, payload length (u64), CRC32C (u32). A write
 goes to ``.tmp``, is fsynced, optionally read back and verified, then renamed over
 ``<key>`` (atomic on POSIX) and the directory fsynced; a crash at any point leaves
 either the old state or the new one, plus at most a temp file. Reads open with
-``O_NOFOLLOW`` and check header, length and CRC32; a failure moves the file to
+``O_NOFOLLOW`` and check header, length and CRC32C; a failure moves the file to
 ``.quarantine`` and raises ``CorruptBlockError``. Keys are validated by
 ``executor.block_ids`` before they are joined to ``root``, and every path is checked
 to sit directly in ``root``.
@@ -25,7 +25,6 @@ import stat
 import struct
 import time
 import uuid
-import zlib
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -64,7 +63,7 @@ class DirectoryTierParams(TierParams):
     """fsync each block and the directory before a write counts as done. Off only for
     tests on throwaway data: without it a power loss can lose acknowledged blocks."""
     verify_writes: bool = True
-    """Read each written temp file back and check its CRC32 before the rename. After
+    """Read each written temp file back and check its CRC32C before the rename. After
     the fsync this usually reads the page cache: it catches a wrong or torn write from
     this process, not media errors (those are caught when the block is next read cold)."""
 
@@ -146,10 +145,10 @@ class DirectoryTier(Tier):
                 n = os.preadv(fd, [view[done:end]], HEADER_BYTES + done)
                 if n == 0:
                     raise _Corrupt("truncated payload")
-                crc_acc = zlib.crc32(view[done : done + n], crc_acc)
+                crc_acc = checksum(view[done : done + n], crc_acc)
                 done += n
             if crc_acc != crc:
-                raise _Corrupt("crc32 mismatch")
+                raise _Corrupt("crc32c mismatch")
             # Read-only view of a buffer nobody else holds: a memory tier keeps it as is.
             return view.toreadonly(), crc
         finally:
@@ -224,7 +223,7 @@ class DirectoryTier(Tier):
     # -- recovery -------------------------------------------------------------------
     def recover(self, verify: bool = True) -> RecoveryReport:
         """Drop temp files, rebuild the index from the directory and (``verify``) read
-        every block through its CRC32, quarantining what fails. Also quarantines
+        every block through its CRC32C, quarantining what fails. Also quarantines
         entries that are not plain files (links, directories) or whose names are not
         valid keys."""
         report = RecoveryReport(self.name)

@@ -3,7 +3,7 @@ and is simulated in host memory elsewhere (same interface, same capacity rules),
 the executor and its tests run on any machine.
 
 torch is imported only here, and only when ``device`` is ``"cuda"`` or ``"auto"``.
-Payloads are uploaded as ``uint8`` tensors; the CRC32 is computed on the host before
+Payloads are uploaded as ``uint8`` tensors; the CRC32C is computed on the host before
 upload and checked on the host copy after download, so what ``read`` returns is
 exactly what was verified.
 """
@@ -69,7 +69,7 @@ class GpuTier(Tier):
         if self.params.verify_reads and checksum(data) != crc:
             self._blocks.pop(key, None)
             self._quarantine_index(key)
-            raise CorruptBlockError(self.name, key, "crc32 mismatch")
+            raise CorruptBlockError(self.name, key, "crc32c mismatch")
         return data, crc
 
     def _commit(self, key: str, data: Buffer, crc: int | None) -> None:

@@ -15,7 +15,7 @@ from executor.tier import BlockNotFoundError, Buffer, CorruptBlockError, Tier, T
 @dataclass(frozen=True)
 class MemoryTierParams(TierParams):
     verify_reads: bool = True
-    """Recompute the CRC32 on every read. DRAM is ECC-protected, so turning this off
+    """Recompute the CRC32C on every read. DRAM is ECC-protected, so turning this off
     trades a CPU pass over the payload (~1-2 GB/s per core) for trust in ECC."""
 
 
@@ -39,7 +39,7 @@ class MemoryTier(Tier):
         if self.params.verify_reads and checksum(data) != crc:
             self._blocks.pop(key, None)
             self._quarantine_index(key)
-            raise CorruptBlockError(self.name, key, "crc32 mismatch")
+            raise CorruptBlockError(self.name, key, "crc32c mismatch")
         return data, crc
 
     def _commit(self, key: str, data: Buffer, crc: int | None) -> None:

@@ -127,7 +127,7 @@ def test_corrupt_block_is_detected_on_read_and_quarantined(
     tier = _disk(tmp_path)
     tier.write(7, payload(7, 5000))
     _flip_byte(tier.root / block_key(7), HEADER_BYTES + 1234)
-    with pytest.raises(CorruptBlockError, match="crc32 mismatch"):
+    with pytest.raises(CorruptBlockError, match="crc32c mismatch"):
         tier.read(7)
     assert not tier.contains(7) and tier.used_bytes == 0
     assert tier.quarantined == [block_key(7)]
