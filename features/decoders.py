@@ -5,7 +5,8 @@ Primitives:
 - ``decode_mooncake(obj, request_id)`` / ``decode_canonical(obj)``: one parsed JSON
   object to ``BlocksAccessed``.
 - ``decode_kv_event_batch(payload)``: a vLLM/SGLang ``KVEventBatch`` msgpack payload
-  (tagged-map or positional-array encoding) to residency events.
+  (tagged-map or positional-array encoding) to residency events
+  (``kv_events_from_batch`` for a batch already decoded from msgpack).
 - ``decode_message(payload)``: sniff JSON vs msgpack (what a Kafka or ZMQ source
   calls per message).
 - ``read_trace(path, ...)``: stream a trace file (Mooncake JSONL, canonical JSONL or
@@ -247,6 +248,12 @@ def decode_kv_event_batch(payload: bytes, engine_id: str = "") -> list[Residency
         batch = msgspec.msgpack.decode(payload)
     except (msgspec.DecodeError, ValueError) as exc:
         raise EventValidationError("<payload>", f"not msgpack: {exc}", "not_msgpack") from None
+    return kv_events_from_batch(batch, engine_id)
+
+
+def kv_events_from_batch(batch: Any, engine_id: str = "") -> list[ResidencyEvent]:
+    """``decode_kv_event_batch`` for a batch already decoded from msgpack (the ZMQ bridge
+    decodes once, validates here, then forwards the raw events one by one)."""
     if isinstance(batch, dict):
         ts, events, dp_rank = batch.get("ts"), batch.get("events"), batch.get("data_parallel_rank")
         dp_rank = batch.get("attn_dp_rank", dp_rank)
