@@ -40,7 +40,7 @@ from typing import Any, Protocol
 import click
 import msgspec
 
-from features.decoders import decode_kv_event_batch
+from features.decoders import kv_events_from_batch
 from features.events import (
     AllBlocksCleared,
     BlockStored,
@@ -136,12 +136,15 @@ class _Record:
     broadcast: bool = False
 
 
-def _split(payload: bytes) -> tuple[Any, list[Any]]:
-    """The batch object with its events taken out, and the raw events (either encoding)."""
-    batch = msgspec.msgpack.decode(payload)
-    if isinstance(batch, dict):
-        return batch, list(batch["events"])
-    return batch, list(batch[1])
+def _decode(payload: bytes, engine_id: str) -> tuple[Any, list[Any], list[ResidencyEvent]]:
+    """The batch as decoded from msgpack, its raw events (either encoding) and their typed
+    form, decoding the bytes once. Raises ``EventValidationError``."""
+    try:
+        batch = msgspec.msgpack.decode(payload)
+    except (msgspec.DecodeError, ValueError) as exc:
+        raise EventValidationError("<payload>", f"not msgpack: {exc}", "not_msgpack") from None
+    events = kv_events_from_batch(batch, engine_id)  # validates the shape used below
+    return batch, list(batch["events"] if isinstance(batch, dict) else batch[1]), events
 
 
 def _single(batch: Any, raw_event: Any) -> bytes:
@@ -236,8 +239,7 @@ class Bridge:
             headers = [*self._headers(batch, None), (HEADER_SYNTHETIC, b"restart")]
             out.append(_Record(cleared, batch.engine_id.encode(), headers, broadcast=True))
         try:
-            events = decode_kv_event_batch(batch.payload, engine_id=batch.engine_id)
-            shape, raw_events = _split(batch.payload)
+            shape, raw_events, events = _decode(batch.payload, batch.engine_id)
         except EventValidationError as exc:
             return [*out, self._dead_letter(batch, exc.reason, str(exc))]
         except Exception as exc:  # a decoder bug must not stop the stream
