@@ -173,12 +173,40 @@ class TrackedRun:
                 artifacts={POLICY_ARTIFACT_KEY: str(policy_dir)},
                 signature=signature,
                 input_example=example.iloc[:5],
+                # Listed, not inferred: inference imports the model in a subprocess
+                # (tens of seconds) and cannot see kvwarm's own lazy imports.
+                pip_requirements=_pip_requirements(policy),
                 registered_model_name=registered_name,
             )
         version = str(info.registered_model_version) if registered_name else None
         if alias and registered_name:
             set_alias(registered_name, alias, version or "")
         return LoggedPolicy(info.model_uri, registered_name, version, alias)
+
+
+_MODEL_DEPENDENCIES = {"lightgbm": ("lightgbm", "scipy"), "lstm": ("torch",)}
+
+
+def _pip_requirements(policy: Policy) -> list[str]:
+    """Pinned distributions a loaded kvwarm policy model imports (plus kvwarm itself,
+    which must be installed from this repository)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    names = (
+        "mlflow",
+        "numpy",
+        "pandas",
+        "pydantic",
+        "msgspec",
+        *_MODEL_DEPENDENCIES.get(policy.name, ()),
+    )
+    out = []
+    for name in names:
+        try:
+            out.append(f"{name}=={version(name)}")
+        except PackageNotFoundError:
+            out.append(name)
+    return out
 
 
 def _param_value(value: Any) -> str:
