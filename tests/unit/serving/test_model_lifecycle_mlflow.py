@@ -1,0 +1,111 @@
+"""The sidecar against a real MLflow registry (a temporary SQLite tracking store): a
+corrupt registered version degrades to LRU; registering a good version and moving the
+alias swaps it in while the loop runs, without a restart and without dropping events."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+import urllib.request
+
+import numpy as np
+import pytest
+
+from features.decoders import read_trace
+from predictor.registry import make_policy
+from serving.serve_cli import Service
+from serving.settings import load_settings
+
+pytestmark = pytest.mark.slow
+
+MODEL_NAME = "kvwarm-serve-test"
+NUM_EVENTS = 800
+
+
+def fitted_lightgbm(seed: int = 0):
+    policy = make_policy("lightgbm", {"num_boost_round": 5, "seed": seed})
+    rng = np.random.default_rng(seed)
+    x = rng.random((400, len(policy.feature_names)), dtype=np.float32)
+    y = x[:, 0] > 0.5
+    return policy.fit(x[:300], y[:300], x[300:], y[300:])
+
+
+def _register(store_uri: str, seed: int) -> str:
+    from training import tracking
+
+    policy = fitted_lightgbm(seed)
+    example = np.random.default_rng(seed).random((8, len(policy.feature_names)), dtype=np.float32)
+    with tracking.tracked_run("kvwarm-serve-test", uri=store_uri) as run:
+        logged = run.log_policy(
+            policy,
+            example,
+            list(policy.feature_names),
+            registered_name=MODEL_NAME,
+            alias="champion",
+        )
+    assert logged.version is not None
+    return logged.version
+
+
+def _health(service: Service) -> dict:
+    assert service.http is not None
+    with urllib.request.urlopen(service.http.url + "/healthz", timeout=10) as response:
+        return json.loads(response.read())
+
+
+def test_alias_move_recovers_from_a_corrupt_version_without_restart(tmp_path, small_trace):
+    store = tmp_path / "mlruns"
+    store_uri = f"sqlite:///{store / 'mlflow.db'}"
+    _register(store_uri, seed=1)
+    corrupted = list((store / "artifacts").rglob("model.txt"))
+    assert corrupted, "the logged model's files should be in the local artifact store"
+    for path in corrupted:
+        path.write_text("not a LightGBM model")
+
+    settings = load_settings(
+        None,
+        source=f"file:{small_trace}",
+        model=f"models:/{MODEL_NAME}@champion",
+        mlflow_tracking_uri=store_uri,
+        model_poll_interval_s=0.5,
+        batch_size=50,
+        decisions=(f"file:{tmp_path / 'decisions.jsonl'}",),
+        clock="event",
+        http_port=0,
+    )
+    service = Service(settings).start()
+    policies_seen: list[str] = []
+    service.sidecar.hooks.append(
+        lambda e, m, now: policies_seen.append(service.sidecar.policy.name)
+    )
+    try:
+        health = _health(service)
+        assert health["status"] == "degraded" and health["policy"] == "lru"
+        assert "model.txt" in health["reason"]
+
+        # The loop runs (slowly, while degraded) as the good version is registered.
+        def throttle(event, moves, now_ms):
+            if service.models.status.degraded:
+                time.sleep(0.01)
+
+        service.sidecar.hooks.append(throttle)
+        runner = threading.Thread(target=service.run, kwargs={"max_events": NUM_EVENTS})
+        runner.start()
+        version = _register(store_uri, seed=2)  # a good version; the alias moves to it
+        deadline = time.monotonic() + 60
+        while _health(service)["status"] != "ok":
+            assert time.monotonic() < deadline, _health(service)
+            time.sleep(0.1)
+        health = _health(service)
+        runner.join(timeout=300)
+    finally:
+        service.close()
+    assert health["policy"] == "lightgbm" and health["reason"] == ""
+    assert version == "2"
+    assert service.models.num_swaps == 1
+    # Served with LRU, then with the new model, every event handled once.
+    assert policies_seen[0] == "lru" and policies_seen[-1] == "lightgbm"
+    assert service.sidecar.stats.events == NUM_EVENTS <= len(list(read_trace(small_trace)))
+    rows = [json.loads(x) for x in (tmp_path / "decisions.jsonl").read_text().splitlines()]
+    assert {r["policy"] for r in rows} == {"lru", "lightgbm"}
