@@ -76,6 +76,7 @@ _NUM_I32 = 11
 _FLAGS, _TIERS = 0, 1
 _NUM_U8 = 2
 _FLAG_EVER_TAIL = 1
+_CHUNK_REQUESTS = 256  # requests folded per batch by observe_many
 _REBASE_EXPONENT = 32.0  # stored decayed counters stay below count * 2**32: float32-safe
 _ROOT_DECAYED_NAME = f"root_decayed_count_hl_{ROOT_POPULARITY_HALF_LIFE_S:g}s"
 
@@ -206,9 +207,222 @@ class FeatureState:
     # --- observing -----------------------------------------------------------------
 
     def observe_many(self, events: Iterable[object]) -> None:
-        observe = self.observe
+        """Fold events in order; the same state as ``observe`` on each in turn, bit for bit.
+
+        Runs of access events are folded a chunk of requests at a time in one set of
+        array operations (several times faster than one by one). A chunk falls back to
+        one request at a time where batching could change the result: when the cap
+        would drop blocks inside it, or when the decayed counters must be rescaled.
+        """
+        run: list[BlocksAccessed] = []
         for event in events:
-            observe(event)
+            if isinstance(event, BlocksAccessed) and event.block_hashes:
+                run.append(event)
+                if len(run) >= _CHUNK_REQUESTS:
+                    self._observe_run(run)
+                    run = []
+            else:
+                if run:
+                    self._observe_run(run)
+                    run = []
+                self.observe(event)
+        if run:
+            self._observe_run(run)
+
+    def _observe_run(self, run: list[BlocksAccessed]) -> None:
+        start = 0
+        while start < len(run):
+            stop = start
+            epoch, limit, inv = self._dec_epoch_ms, _REBASE_EXPONENT, self._max_inv_hl_ms
+            end = min(len(run), start + _CHUNK_REQUESTS)
+            # Cut it before a request that would rescale the decayed counters, or that
+            # repeats a hash (both are folded one by one).
+            while (
+                stop < end
+                and (run[stop].ts_ms - epoch) * inv <= limit
+                and len(set(run[stop].block_hashes)) == len(run[stop].block_hashes)
+            ):
+                stop += 1
+            if stop == start:
+                self._observe_access(run[start])
+                start += 1
+                continue
+            folded = self._observe_chunk(run[start:stop])
+            if folded:
+                start += folded
+            else:  # the cap must drop blocks before the next request: one by one
+                self._observe_access(run[start])
+                start += 1
+
+    def _observe_chunk(self, chunk: list[BlocksAccessed]) -> int:
+        """Fold requests with no repeated hash inside one request, all in one epoch of
+        the decayed counters, as one batch; returns how many were folded. Where the cap
+        would have to drop blocks inside the chunk (one-by-one folding would evict
+        between two of its requests), folds only the requests before that point."""
+        lengths = [len(e.block_hashes) for e in chunk]
+        flat: list[int] = []
+        for e in chunk:
+            flat.extend(e.block_hashes)
+        index = self._index
+        found = list(map(index.get, flat))
+        new_rows = np.zeros(0, dtype=np.intp)
+        if None in found:
+            new_keys = list(
+                dict.fromkeys([h for h, s in zip(flat, found, strict=True) if s is None])
+            )
+            need = len(new_keys)
+            free = self._free
+            cap = self._hash.shape[0]
+            fresh_rows = need - len(free)
+            if fresh_rows > cap - self._high_water and cap < self.params.max_tracked_blocks:
+                self._grow(max(cap * 2, self._high_water + fresh_rows))
+            if fresh_rows > self._hash.shape[0] - self._high_water:
+                fit = self._requests_that_fit(chunk) if len(chunk) > 1 else 0
+                return self._observe_chunk(chunk[:fit]) if fit else 0
+            # The rows one-by-one folding would hand out, in the same order: free rows
+            # from the end of the free list, then fresh rows.
+            taken = free[::-1][:need]
+            del free[len(free) - len(taken) :]
+            rows = taken + list(range(self._high_water, self._high_water + need - len(taken)))
+            self._high_water += need - len(taken)
+            index.update(zip(new_keys, rows, strict=True))
+            new_rows = np.array(rows, dtype=np.intp)
+            self._hash[new_rows] = new_keys
+            found = list(map(index.__getitem__, flat))
+        num = len(flat)
+        nreq = len(chunk)
+        sl = np.array(found, dtype=np.intp)
+        lens = np.array(lengths, dtype=np.intp)
+        req_start = np.zeros(nreq, dtype=np.intp)
+        np.cumsum(lens[:-1], out=req_start[1:])
+        req = np.repeat(np.arange(nreq, dtype=np.intp), lens)
+        pos = np.arange(num, dtype=np.intp) - req_start[req]
+        n_of = lens[req]
+        ts_req = np.array([e.ts_ms for e in chunk], dtype=np.int64)
+        ts = ts_req[req]
+
+        # Group accesses by row, chronological inside each group.
+        order = np.argsort(sl, kind="stable")
+        sl_s = sl[order]
+        first_in = np.empty(num, dtype=bool)
+        first_in[0] = True
+        np.not_equal(sl_s[1:], sl_s[:-1], out=first_in[1:])
+        group_start = np.flatnonzero(first_in)
+        group_end = np.append(group_start[1:], num)
+        m = group_end - group_start
+        uniq = sl_s[group_start]
+        gidx_s = np.cumsum(first_in) - 1
+        gidx = np.empty(num, dtype=np.intp)
+        gidx[order] = gidx_s
+        prev_s = np.where(
+            first_in, -1, np.roll(order, 1)
+        )  # previous access of the row (unsorted index)
+        prev = np.empty(num, dtype=np.intp)
+        prev[order] = prev_s
+
+        I_old = self._i64.take(uniq, axis=0)
+        J_old = self._i32.take(uniq, axis=0)
+        F_old = self._f32.take(uniq, axis=0)
+        count_old = J_old[:, _COUNT]
+
+        # New for its request: a row first handed out in this chunk, at its first access.
+        is_new = np.isin(sl, new_rows) & (prev < 0)
+        big = np.iinfo(np.intp).max
+        first_new = np.minimum.reduceat(np.where(is_new, pos, big), req_start)
+        hit_len = np.minimum(first_new, lens)
+        last_new = np.maximum.reduceat(np.where(is_new, pos, -1), req_start)
+
+        # Per-request scalars, in order: clock, turns, weights.
+        hit_tail = np.where(hit_len >= 2, req_start + hit_len - 1, 0)
+        tail_prev = prev[hit_tail]
+        tail_state = J_old[gidx[hit_tail]][:, [_REQLEN, _DEPTH, _TURN]]
+        turns = [1] * nreq
+        weights = np.empty((nreq, self._f32.shape[1] - self._k), dtype=np.float32)
+        slack = self.params.continuation_tail_slack
+        hit_list = hit_len.tolist()
+        tail_prev_list = tail_prev.tolist()
+        tail_state_list = tail_state.tolist()
+        req_list = req.tolist() if tail_prev.max(initial=-1) >= 0 else []
+        pos_list = pos.tolist() if req_list else []
+        sessions = self._sessions
+        for r, e in enumerate(chunk):
+            self._tick(e.ts_ms, lengths[r])
+            weights[r] = self._weights_at(e.ts_ms)
+            if e.session_id is not None:
+                turn = sessions.pop(e.session_id, 0) + 1
+                sessions[e.session_id] = turn
+                if len(sessions) > self.params.max_tracked_sessions:
+                    del sessions[next(iter(sessions))]
+                turns[r] = turn
+            elif hit_list[r] >= 2:
+                pa = tail_prev_list[r]
+                if pa >= 0:
+                    rr = req_list[pa]
+                    reqlen, depth, turn = lengths[rr], pos_list[pa], turns[rr]
+                else:
+                    reqlen, depth, turn = tail_state_list[r]
+                if reqlen - 1 - depth <= slack:
+                    turns[r] = turn + 1
+        reqord = self.num_requests + 1 + np.arange(nreq, dtype=np.int64)
+        self.num_requests += nreq
+        self.num_accesses += num
+
+        # Gap registers: the j-th latest gap is a new one for j < m, else old column j - m.
+        prev_ts = np.where(prev >= 0, ts[np.maximum(prev, 0)], I_old[gidx, _LAST])
+        gap = (ts - prev_ts).astype(np.float32)
+        k = self._k
+        jj = np.arange(k)
+        use_new = jj[None, :] < m[:, None]
+        src = np.clip(group_end[:, None] - 1 - jj[None, :], 0, num - 1)
+        old_col = np.clip(jj[None, :] - m[:, None], 0, k - 1)
+        F_new = F_old.copy()
+        F_new[:, :k] = np.where(
+            use_new, gap[order][src], np.take_along_axis(F_old[:, :k], old_col, axis=1)
+        )
+        # Decayed counters: the same float32 additions, in the same order, as one by one.
+        dec = F_new[:, k:]
+        np.add.at(dec, gidx_s, weights[req[order]])
+        F_new[:, k:] = dec
+
+        last_s = group_end - 1
+        last_acc = order[last_s]  # each row's last access (unsorted index)
+        I_new = I_old.copy()
+        I_new[:, _LAST] = ts[last_acc]
+        fresh = count_old == 0
+        I_new[fresh, _FIRST] = ts[order[group_start[fresh]]]
+        idx = np.arange(num, dtype=np.intp)
+        for col, mask in ((_CHILD, pos < n_of - 1), (_EXT, pos < last_new[req])):
+            last_hit = np.maximum.reduceat(np.where(mask[order], idx, -1), group_start)
+            has = last_hit >= 0
+            I_new[has, col] = ts[order[last_hit[has]]] + 1
+
+        J_new = J_old.copy()
+        consts = np.empty((nreq, _ROOT + 1), dtype=np.int64)
+        consts[:, _REQORD] = reqord
+        consts[:, _REQLEN] = lens
+        consts[:, _INTOK] = [-1 if e.input_tokens is None else e.input_tokens for e in chunk]
+        consts[:, _OUTTOK] = [-1 if e.output_tokens is None else e.output_tokens for e in chunk]
+        consts[:, _HITLEN] = hit_len
+        consts[:, _TURN] = turns
+        consts[:, _ROOT] = sl[req_start]
+        J_new[:, _REQORD : _ROOT + 1] = consts[req[last_acc]]
+        J_new[:, _COUNT] = count_old + m
+        J_new[:, _DEPTH] = pos[last_acc]
+        parent = np.empty(num, dtype=np.intp)
+        parent[1:] = sl[:-1]
+        parent[req_start] = -1
+        J_new[:, _PARENT] = parent[last_acc]
+        # A new block at position > 0 is a new child of the block before it.
+        child_of = parent[is_new & (pos > 0)]
+        if child_of.size:
+            np.add.at(J_new[:, _NCHILD], np.searchsorted(uniq, child_of), 1)
+
+        self._i64[uniq] = I_new
+        self._i32[uniq] = J_new
+        self._f32[uniq] = F_new
+        self._u8[sl[req_start + lens - 1], _FLAGS] |= _FLAG_EVER_TAIL
+        self.last_request_slots = sl[req_start[-1] :]
+        return nreq
 
     def observe(self, event: object) -> None:
         """Fold one event into the state. Unknown event types raise ``TypeError``."""
@@ -252,6 +466,17 @@ class FeatureState:
     def _dec_scale(self, now_ms: int) -> np.ndarray:
         """Multiplier turning stored decayed counters into their value at ``now_ms``."""
         return np.exp2(-(now_ms - self._dec_epoch_ms) * self._inv_hl_ms)
+
+    def _requests_that_fit(self, chunk: list[BlocksAccessed]) -> int:
+        """How many leading requests of ``chunk`` need no more new rows than are spare."""
+        spare = len(self._free) + self.params.max_tracked_blocks - self._high_water
+        index = self._index
+        seen: set[int] = set()
+        for r, event in enumerate(chunk):
+            seen.update(h for h in event.block_hashes if h not in index)
+            if len(seen) > spare:
+                return r
+        return len(chunk)
 
     def _observe_access(self, event: BlocksAccessed) -> None:
         hashes = event.block_hashes
@@ -500,6 +725,9 @@ class FeatureState:
 
     def features_for_slots(self, slots: np.ndarray, now_ms: int) -> np.ndarray:
         """Same as ``features_for`` for rows already looked up (-1 = unknown)."""
+        # The state cannot look back in time: an instant before the latest access is
+        # answered as of that access (keeps every value finite).
+        now_ms = max(now_ms, self.clock_ms)
         c = self._cols
         at = c.at
         k = self._k
