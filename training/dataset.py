@@ -109,22 +109,23 @@ class Dataset:
             "end_ts_ms": self.end_ts_ms,
             "params": self.params,
         }
-        arrays = {f"label__{k}": v for k, v in self.labels.items()}
+        arrays: dict[str, np.ndarray] = {f"label__{k}": v for k, v in self.labels.items()}
+        arrays |= {
+            "X": self.X,
+            "ts_ms": self.ts_ms,
+            "block_hashes": self.block_hashes,
+            "num_events_seen": self.num_events_seen,
+            "is_snapshot": self.is_snapshot,
+            "meta": np.array(json.dumps(meta)),
+        }
         with open(path, "wb") as fh:
-            np.savez_compressed(
-                fh,
-                X=self.X,
-                ts_ms=self.ts_ms,
-                block_hashes=self.block_hashes,
-                num_events_seen=self.num_events_seen,
-                is_snapshot=self.is_snapshot,
-                meta=np.array(json.dumps(meta)),
-                **arrays,
-            )
+            np.savez_compressed(fh, **arrays)  # type: ignore[arg-type]
         return path
 
     @classmethod
-    def load(cls, path: str | os.PathLike[str], *, expect_version: int | None = FEATURE_VERSION) -> Dataset:
+    def load(
+        cls, path: str | os.PathLike[str], *, expect_version: int | None = FEATURE_VERSION
+    ) -> Dataset:
         """Read a saved dataset; refuses another feature version unless ``expect_version=None``."""
         with np.load(Path(path), allow_pickle=False) as z:
             meta = json.loads(str(z["meta"]))
@@ -188,7 +189,9 @@ def build_dataset(
     if not 0 < sample <= 1:
         raise DatasetError(f"sample must be in (0, 1], got {sample}")
     if snapshot_interval_ms is not None and snapshot_interval_ms <= 0:
-        raise DatasetError(f"snapshot_interval_ms must be positive or None, got {snapshot_interval_ms}")
+        raise DatasetError(
+            f"snapshot_interval_ms must be positive or None, got {snapshot_interval_ms}"
+        )
     if not horizons_ms or any(h <= 0 for h in horizons_ms):
         raise DatasetError(f"horizons_ms must be positive, got {tuple(horizons_ms)}")
     events: Iterable[object] = (
@@ -226,7 +229,9 @@ def build_dataset(
                 while event.ts_ms > next_snapshot_ms:
                     tracked = state.tracked_slots()
                     if tracked.size:
-                        pick = rng.choice(tracked.size, size=min(snapshot_blocks, tracked.size), replace=False)
+                        pick = rng.choice(
+                            tracked.size, size=min(snapshot_blocks, tracked.size), replace=False
+                        )
                         emit(tracked[np.sort(pick)], next_snapshot_ms, True)
                     next_snapshot_ms += snapshot_interval_ms
             state.observe(event)
@@ -244,7 +249,9 @@ def build_dataset(
 
     names = state.feature_names
     if not xs:
-        raise DatasetError("no rows: the source has no block accesses (check the trace path and format)")
+        raise DatasetError(
+            "no rows: the source has no block accesses (check the trace path and format)"
+        )
     ts_ms = np.concatenate(row_ts)
     hashes = np.concatenate(row_slots_hashes)
     arrays = access_arrays(accesses)
