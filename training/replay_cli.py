@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -30,11 +30,16 @@ from training.report import (
 DEFAULT_OUT = Path("runs")
 
 
-def default_trainer(name: str, events: Sequence[BlocksAccessed]) -> Policy:
-    """Train a learned policy on ``events`` with the training module's defaults."""
-    from training.train import train_policy_on_events
+def make_trainer(quick: bool) -> Callable[[str, Sequence[BlocksAccessed]], Policy]:
+    """Train a learned policy on the replay's training part with the training module's
+    settings (``quick``: a few seconds, for demos and tests)."""
 
-    return train_policy_on_events(name, events, progress=True)
+    def trainer(name: str, events: Sequence[BlocksAccessed]) -> Policy:
+        from training.train import fit_policy_on_events
+
+        return fit_policy_on_events(name, events, quick=quick)
+
+    return trainer
 
 
 def _load_models(specs: tuple[str, ...]) -> dict[str, Policy]:
@@ -126,12 +131,13 @@ def _run(
     trace_name: str,
     checksum: str | None,
     experiment: str | None,
+    quick: bool = False,
 ) -> ComparisonReport:
     def progress(message: str) -> None:
         click.echo(f"[{time.strftime('%H:%M:%S')}] {message}", err=True)
 
     report = run_comparison(
-        events, config, trainer=default_trainer, trained=models, progress=progress
+        events, config, trainer=make_trainer(quick), trained=models, progress=progress
     )
     click.echo("")
     click.echo(format_single(report))
@@ -331,6 +337,7 @@ def demo(
         trace_name=trace.name,
         checksum=trace_checksum(trace),
         experiment=experiment or None,
+        quick=True,
     )
     if sys.stdout.isatty():
         click.echo(f"\nopen the plots: ls {out}/*.png")

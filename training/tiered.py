@@ -9,7 +9,9 @@ model turns each request into a time to first token:
   the planner books those moves at arrival, so they overlap the queueing; without
   (the "no prewarm" baseline of today's engines) they are booked at ``t_s``. Blocks a
   speculative prefetch already started are ready when that transfer completes.
-- Blocks found nowhere are recomputed: ``prefill_ms(tokens)``.
+- Blocks found nowhere are recomputed: ``prefill_ms(tokens)``. As in vLLM and SGLang
+  prefix caching, only the longest cached prefix is reused: every token after the
+  first block found nowhere is recomputed.
 - ``TTFT = ready + prefill - t_a``, where ``ready`` is when the last cached block is
   in HBM (not before ``t_s``). The engine is busy from ``t_s`` until then.
 - Demotions (write-backs) and speculative promotions share each link's bandwidth
@@ -266,15 +268,18 @@ def replay_tiered(
         free_at = heapq.heappop(engines)
         t_s = max(t_a, free_at)
         book_at = t_a if prewarm else t_s
+        # Prefix caching: an engine reuses the longest cached prefix and recomputes
+        # every token after the first block found nowhere, cached or not.
+        first_miss = tiers.index(NOWHERE) if NOWHERE in tiers else len(tiers)
+        used = set(blocks[:first_miss])
         ready = t_s
         for m in state["demand"]:
-            ready = max(ready, timing.book(m, book_at))
-        for block, tier in zip(blocks, tiers, strict=True):
-            if tier == 0:
-                ready = max(ready, timing.ready_at.get(block, 0.0))
-        missing_tokens = sum(
-            tok for tier, tok in zip(tiers, n_tokens, strict=True) if tier == NOWHERE
-        )
+            done = timing.book(m, book_at)
+            if m.block in used:
+                ready = max(ready, done)
+        for block in blocks[:first_miss]:
+            ready = max(ready, timing.ready_at.get(block, 0.0))
+        missing_tokens = sum(n_tokens[first_miss:])
         finish = ready + model.prefill_ms(missing_tokens)
         heapq.heappush(engines, finish)
         service_total += finish - t_s
