@@ -31,8 +31,11 @@ def main() -> None:
     """The consumer process: handle (append ids to --out), flush, then commit. With
     --hang-after N it handles a batch that crosses N events and then waits, without
     committing, to be killed: a crash between handling and commit."""
+    import logging
+
     from serving.kafka_io import KafkaEventSource
 
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     parser = argparse.ArgumentParser()
     parser.add_argument("--bootstrap", required=True)
     parser.add_argument("--topic", required=True)
@@ -67,7 +70,11 @@ def _spawn(
     ]  # fmt: skip
     root = Path(__file__).resolve().parents[2]
     env = {**os.environ, "PYTHONPATH": str(root)}
-    return subprocess.Popen(cmd, cwd=root, env=env, stdin=subprocess.DEVNULL)
+    log = open(str(out) + ".log", "ab")  # the child's stderr, shown when a wait fails
+    try:
+        return subprocess.Popen(cmd, cwd=root, env=env, stdin=subprocess.DEVNULL, stderr=log)
+    finally:
+        log.close()
 
 
 def _wait_for(
@@ -80,10 +87,22 @@ def _wait_for(
     deadline = time.monotonic() + timeout_s
     while not condition():
         if proc.poll() is not None:
-            pytest.fail(f"consumer process exited with {proc.returncode} while waiting for {what}")
+            pytest.fail(
+                f"consumer process exited with {proc.returncode} while waiting for {what}"
+                + _child_log(proc)
+            )
         if time.monotonic() > deadline:
-            pytest.fail(f"timed out after {timeout_s} s waiting for {what} {progress()}")
+            pytest.fail(
+                f"timed out after {timeout_s} s waiting for {what} {progress()}" + _child_log(proc)
+            )
         time.sleep(0.05)
+
+
+def _child_log(proc: subprocess.Popen[bytes]) -> str:
+    args = list(map(str, proc.args))  # type: ignore[arg-type]
+    path = Path(args[args.index("--out") + 1] + ".log")
+    tail = path.read_text(errors="replace")[-3000:] if path.exists() else ""
+    return f"\n--- consumer stderr (tail) ---\n{tail}"
 
 
 def _ids(path: Path) -> list[str]:
