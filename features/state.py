@@ -265,7 +265,8 @@ class FeatureState:
             flat.extend(e.block_hashes)
         index = self._index
         found = list(map(index.get, flat))
-        new_rows = np.zeros(0, dtype=np.intp)
+        taken: list[int] = []  # rows reused from the free list
+        first_fresh_row = self._high_water
         if None in found:
             new_keys = list(
                 dict.fromkeys([h for h, s in zip(flat, found, strict=True) if s is None])
@@ -283,11 +284,15 @@ class FeatureState:
             # from the end of the free list, then fresh rows.
             taken = free[::-1][:need]
             del free[len(free) - len(taken) :]
-            rows = taken + list(range(self._high_water, self._high_water + need - len(taken)))
-            self._high_water += need - len(taken)
-            index.update(zip(new_keys, rows, strict=True))
-            new_rows = np.array(rows, dtype=np.intp)
-            self._hash[new_rows] = new_keys
+            num_fresh = need - len(taken)
+            hw = self._high_water
+            fresh = range(hw, hw + num_fresh)
+            index.update(zip(new_keys, taken + list(fresh) if taken else fresh, strict=True))
+            keys = np.fromiter(new_keys, dtype=np.uint64, count=need)
+            if taken:
+                self._hash[taken] = keys[: len(taken)]
+            self._hash[hw : hw + num_fresh] = keys[len(taken) :]
+            self._high_water = hw + num_fresh
             found = list(map(index.__getitem__, flat))
         num = len(flat)
         nreq = len(chunk)
@@ -326,7 +331,10 @@ class FeatureState:
         count_old = J_old[:, _COUNT]
 
         # New for its request: a row first handed out in this chunk, at its first access.
-        is_new = np.isin(sl, new_rows) & (prev < 0)
+        is_new = sl >= first_fresh_row
+        if taken:
+            is_new |= np.isin(sl, taken)
+        is_new &= prev < 0
         big = np.iinfo(np.intp).max
         first_new = np.minimum.reduceat(np.where(is_new, pos, big), req_start)
         hit_len = np.minimum(first_new, lens)
@@ -367,25 +375,33 @@ class FeatureState:
         self.num_requests += nreq
         self.num_accesses += num
 
-        # Gap registers: the j-th latest gap is a new one for j < m, else old column j - m.
+        last_acc = order[group_end - 1]  # each row's last access (unsorted index)
         prev_ts = np.where(prev >= 0, ts[np.maximum(prev, 0)], I_old[gidx, _LAST])
         gap = (ts - prev_ts).astype(np.float32)
         k = self._k
-        jj = np.arange(k)
-        use_new = jj[None, :] < m[:, None]
-        src = np.clip(group_end[:, None] - 1 - jj[None, :], 0, num - 1)
-        old_col = np.clip(jj[None, :] - m[:, None], 0, k - 1)
-        F_new = F_old.copy()
-        F_new[:, :k] = np.where(
-            use_new, gap[order][src], np.take_along_axis(F_old[:, :k], old_col, axis=1)
-        )
-        # Decayed counters: the same float32 additions, in the same order, as one by one.
-        dec = F_new[:, k:]
-        np.add.at(dec, gidx_s, weights[req[order]])
-        F_new[:, k:] = dec
+        # Rows read once in the chunk (most of them): shift in one gap, add one weight.
+        F_new = np.empty_like(F_old)
+        F_new[:, 1:k] = F_old[:, : k - 1]
+        F_new[:, 0] = gap[last_acc]
+        F_new[:, k:] = F_old[:, k:] + weights[req[last_acc]]
+        multi = np.flatnonzero(m > 1)
+        if multi.size:
+            # The j-th latest gap is a new one for j < m, else old column j - m; the
+            # decayed counters get the same float32 additions, in the same order.
+            jj = np.arange(k)
+            mm = m[multi]
+            src = np.clip(group_end[multi, None] - 1 - jj[None, :], 0, num - 1)
+            old_col = np.clip(jj[None, :] - mm[:, None], 0, k - 1)
+            F_new[multi, :k] = np.where(
+                jj[None, :] < mm[:, None],
+                gap[order][src],
+                np.take_along_axis(F_old[multi, :k], old_col, axis=1),
+            )
+            in_multi = (m > 1)[gidx_s]
+            dec = F_old[multi, k:].copy()
+            np.add.at(dec, np.searchsorted(multi, gidx_s[in_multi]), weights[req[order[in_multi]]])
+            F_new[multi, k:] = dec
 
-        last_s = group_end - 1
-        last_acc = order[last_s]  # each row's last access (unsorted index)
         I_new = I_old.copy()
         I_new[:, _LAST] = ts[last_acc]
         fresh = count_old == 0
@@ -415,7 +431,9 @@ class FeatureState:
         # A new block at position > 0 is a new child of the block before it.
         child_of = parent[is_new & (pos > 0)]
         if child_of.size:
-            np.add.at(J_new[:, _NCHILD], np.searchsorted(uniq, child_of), 1)
+            J_new[:, _NCHILD] += np.bincount(
+                np.searchsorted(uniq, child_of), minlength=uniq.shape[0]
+            ).astype(np.int32)
 
         self._i64[uniq] = I_new
         self._i32[uniq] = J_new
