@@ -305,6 +305,7 @@ class KafkaEventSource:
         session_timeout_ms: int = 10_000,
         fetch_max_wait_ms: int = 100,
         commit_timeout_ms: int = 10_000,
+        metadata_max_age_ms: int = 10_000,
         security: KafkaSecurity | None = None,
         options: ConnectOptions = ConnectOptions(),
     ) -> None:
@@ -325,10 +326,17 @@ class KafkaEventSource:
             "session_timeout_ms": session_timeout_ms,
             "heartbeat_interval_ms": max(100, session_timeout_ms // 4),
             "fetch_max_wait_ms": fetch_max_wait_ms,
+            # Partitions added to a topic (or a topic created after subscribing) are seen
+            # within this long; kafka-python's default is 5 minutes.
+            "metadata_max_age_ms": metadata_max_age_ms,
         }
         self._consumer: KafkaConsumer = _connect(
             "event consumer", bootstrap, options, lambda: KafkaConsumer(**consumer_cfg)
         )
+        # Know the topics' partitions before joining: a group leader without them assigns
+        # nothing and the member idles until the next metadata refresh.
+        for topic in self.topics:
+            self._consumer.partitions_for_topic(topic)
         self._consumer.subscribe(self.topics, listener=_RebalanceListener(self))
         producer_cfg = {
             **base,
