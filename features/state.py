@@ -350,8 +350,9 @@ class FeatureState:
         hit_list = hit_len.tolist()
         tail_prev_list = tail_prev.tolist()
         tail_state_list = tail_state.tolist()
-        req_list = req.tolist() if tail_prev.max(initial=-1) >= 0 else []
-        pos_list = pos.tolist() if req_list else []
+        safe_prev = np.maximum(tail_prev, 0)
+        tail_prev_req = req[safe_prev].tolist()  # request and position of that earlier read
+        tail_prev_pos = pos[safe_prev].tolist()
         sessions = self._sessions
         for r, e in enumerate(chunk):
             self._tick(e.ts_ms, lengths[r])
@@ -363,10 +364,9 @@ class FeatureState:
                     del sessions[next(iter(sessions))]
                 turns[r] = turn
             elif hit_list[r] >= 2:
-                pa = tail_prev_list[r]
-                if pa >= 0:
-                    rr = req_list[pa]
-                    reqlen, depth, turn = lengths[rr], pos_list[pa], turns[rr]
+                if tail_prev_list[r] >= 0:  # the hit tail was read earlier in this chunk
+                    rr = tail_prev_req[r]
+                    reqlen, depth, turn = lengths[rr], tail_prev_pos[r], turns[rr]
                 else:
                     reqlen, depth, turn = tail_state_list[r]
                 if reqlen - 1 - depth <= slack:
@@ -413,7 +413,7 @@ class FeatureState:
             I_new[has, col] = ts[order[last_hit[has]]] + 1
 
         J_new = J_old.copy()
-        consts = np.empty((nreq, _ROOT + 1), dtype=np.int64)
+        consts = np.empty((nreq, _ROOT + 1), dtype=np.int32)
         consts[:, _REQORD] = reqord
         consts[:, _REQLEN] = lens
         consts[:, _INTOK] = [-1 if e.input_tokens is None else e.input_tokens for e in chunk]
