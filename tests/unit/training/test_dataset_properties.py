@@ -36,7 +36,7 @@ def traces(draw: st.DrawFn) -> list[object]:
         ts += draw(GAP_MS)
         if chains and draw(st.booleans()):
             base = draw(st.sampled_from(chains))
-            base = base[: draw(st.integers(1, len(base)))]
+            base = base[: draw(st.integers(1, min(len(base), 10)))]  # chains stay <= 16 blocks
         else:
             base = (draw(st.integers(0, 3)),)
         new = draw(st.integers(0, 6))
