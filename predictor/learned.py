@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import abc
 import dataclasses
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -82,6 +83,10 @@ class LearnedPolicy(Policy):
 
     def observe(self, event: Event) -> None:
         self.state.observe(event)
+
+    def observe_many(self, events: Iterable[Event]) -> None:
+        # FeatureState batches requests; the result is bit-identical to one by one.
+        self.state.observe_many(events)
 
     def score(self, block_hashes: np.ndarray, now_ms: int) -> np.ndarray:
         hashes = as_hash_array(block_hashes)

@@ -38,12 +38,12 @@ WEIGHTS_FILE = "weights.pt"
 class LSTMParams(LearnedParams):
     hidden_size: int = Field(32, ge=1, le=1024, description="LSTM hidden units.")
     context_size: int = Field(64, ge=1, le=4096, description="Hidden units of the context MLP.")
-    max_epochs: int = Field(8, ge=1, le=1000)
+    max_epochs: int = Field(8, ge=1, le=1000, description="Upper bound on passes over the rows.")
     patience_epochs: int = Field(
         2, ge=1, description="Early stop after this many epochs without a better validation loss."
     )
-    batch_size: int = Field(1024, ge=1)
-    learning_rate: float = Field(3e-3, gt=0, le=1)
+    batch_size: int = Field(1024, ge=1, description="Rows per optimiser step.")
+    learning_rate: float = Field(3e-3, gt=0, le=1, description="Adam step size.")
     max_train_rows: int = Field(
         400_000,
         ge=1,
