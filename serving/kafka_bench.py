@@ -167,7 +167,7 @@ def _broker(bootstrap: str | None) -> Iterator[str]:
         yield bootstrap
         return
     with tempfile.TemporaryDirectory(prefix="kvwarm-bench-kafka-") as tmp:
-        broker = KafkaBroker(tmp, heap_mb=512, fast_start=False)
+        broker = KafkaBroker(tmp, heap_mb=512, fast_start=False, die_with_parent=True)
         start_s = broker.start()
         click.echo(
             f"started a local Kafka {broker.version} broker at {broker.bootstrap} in {start_s:.1f} s"

@@ -256,6 +256,18 @@ def is_our_broker(pid: int, properties_path: Path) -> bool:
     return cmdline is not None and BROKER_MAIN_CLASS in cmdline and str(properties_path) in cmdline
 
 
+def _die_with_parent() -> None:
+    """In the forked child, before exec: ask Linux to SIGTERM it when its parent dies,
+    so a test run that is killed outright does not leave a broker behind."""
+    import ctypes
+
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(1, int(signal.SIGTERM))  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass  # not Linux: stop() is then the only way
+
+
 # --- jars ---------------------------------------------------------------------------------
 
 
@@ -389,6 +401,10 @@ class BrokerStatus:
 class KafkaBroker:
     """One KRaft broker+controller whose files all live in ``state_dir``.
 
+    ``die_with_parent`` (tests, benchmarks): the broker gets SIGTERM when the process
+    that started it dies, even by SIGKILL. ``kvwarm kafka up`` leaves it off, since
+    that broker must outlive the command.
+
     ``state_dir`` holds ``broker.json`` (ports, cluster id, version), ``server.properties``,
     ``data/``, ``broker.out`` (the JVM's output), ``broker.pid`` and ``tmp/``. Ports are
     chosen once (free ports, or ``port`` when given) and reused by later starts.
@@ -401,12 +417,14 @@ class KafkaBroker:
         port: int | None = None,
         heap_mb: int = DEFAULT_HEAP_MB,
         fast_start: bool = True,
+        die_with_parent: bool = False,
         version: str = KAFKA_VERSION,
         cache_dir: Path | None = None,
     ) -> None:
         self.state_dir = Path(state_dir or default_state_dir()).resolve()
         self.heap_mb = heap_mb
         self.fast_start = fast_start
+        self.die_with_parent = die_with_parent
         self.version = version
         self.cache_dir = cache_dir
         self._requested_port = port
@@ -531,6 +549,7 @@ class KafkaBroker:
             self._proc = subprocess.Popen(
                 cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                 start_new_session=True, cwd=self.state_dir,
+                preexec_fn=_die_with_parent if self.die_with_parent else None,
             )  # fmt: skip
         self.pid_path.write_text(f"{self._proc.pid}\n")
         deadline = started + timeout_s

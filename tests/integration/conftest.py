@@ -32,7 +32,7 @@ def _in_ci() -> bool:
 
 def start_broker_or_fail(state_dir: Path) -> KafkaBroker:
     """A started broker; in CI a failure fails the test, elsewhere it skips."""
-    broker = KafkaBroker(state_dir, heap_mb=384)
+    broker = KafkaBroker(state_dir, heap_mb=384, die_with_parent=True)
     try:
         broker.start(timeout_s=120)
     except KafkaBrokerError as exc:
