@@ -19,7 +19,7 @@ import abc
 import dataclasses
 from collections.abc import Iterable
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 from pydantic import Field
@@ -58,13 +58,14 @@ def feature_params_from_dict(data: dict[str, Any]) -> FeatureParams:
     unknown = set(data) - fields
     if unknown:
         raise ValueError(f"unknown feature params {sorted(unknown)}")
-    return FeatureParams(**{k: tuple(v) if isinstance(v, list) else v for k, v in data.items()})
+    kwargs: dict[str, Any] = {k: tuple(v) if isinstance(v, list) else v for k, v in data.items()}
+    return FeatureParams(**kwargs)
 
 
 class LearnedPolicy(Policy):
     """Base of policies that score ``model(features_for(blocks, now_ms))``."""
 
-    Params = LearnedParams
+    Params: ClassVar[type[PolicyParams]] = LearnedParams
     params: LearnedParams
     outputs_probability = True
 

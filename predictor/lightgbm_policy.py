@@ -17,14 +17,15 @@ with ``lightgbm.Booster(model_file=...)``: no pickle.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 import lightgbm as lgb
 import numpy as np
 from pydantic import Field
 
-from predictor.base import PolicyLoadError
+from predictor.base import PolicyLoadError, PolicyParams
 from predictor.learned import LearnedParams, LearnedPolicy
 
 MODEL_FILE = "model.txt"
@@ -66,7 +67,7 @@ class LightGBMPolicy(LearnedPolicy):
     """Boosted trees over ``FeatureState`` rows; see the module docstring."""
 
     name = "lightgbm"
-    Params = LightGBMParams
+    Params: ClassVar[type[PolicyParams]] = LightGBMParams
     params: LightGBMParams
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
@@ -129,7 +130,9 @@ class LightGBMPolicy(LearnedPolicy):
             reference=train,
             feature_name=names,
         )
-        callbacks = [lgb.early_stopping(self.params.early_stopping_rounds, verbose=False)]
+        callbacks: list[Callable[..., Any]] = [
+            lgb.early_stopping(self.params.early_stopping_rounds, verbose=False)
+        ]
         if progress:
             callbacks.append(lgb.log_evaluation(period=25))
         evals: dict[str, Any] = {}
@@ -148,7 +151,7 @@ class LightGBMPolicy(LearnedPolicy):
             model_str=booster.model_to_string(num_iteration=booster.best_iteration)
         )
         if self.params.objective == "log_time_to_next":
-            pred = self.booster.predict(x_valid)
+            pred = np.asarray(self.booster.predict(x_valid), dtype=np.float64)
             resid = pred - self._target(y_valid, time_to_next_valid_ms)
             self.sigma_log = float(max(np.sqrt(np.mean(resid**2)), 1e-3))
         self.fitted = True
@@ -163,12 +166,12 @@ class LightGBMPolicy(LearnedPolicy):
 
     def _predict(self, features: np.ndarray) -> np.ndarray:
         assert self.booster is not None
-        raw = self.booster.predict(features, num_threads=1)
+        raw = np.asarray(self.booster.predict(features, num_threads=1), dtype=np.float64)
         if self.params.objective == "binary":
             return raw
         # P(log T <= log1p(H)) with log T ~ N(raw, sigma^2).
         z = (math.log1p(self.params.horizon_ms) - raw) / (self.sigma_log * math.sqrt(2.0))
-        return 0.5 * (1.0 + _erf(z))
+        return 0.5 * (1.0 + _erf(np.asarray(z)))
 
     def _adopt_model(self, other: Any) -> None:
         self.booster = other.booster

@@ -22,14 +22,14 @@ import math
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 import torch
 from pydantic import Field
 from torch import nn
 
-from predictor.base import PolicyLoadError
+from predictor.base import PolicyLoadError, PolicyParams
 from predictor.learned import LearnedParams, LearnedPolicy
 
 WEIGHTS_FILE = "weights.pt"
@@ -58,6 +58,9 @@ class LSTMParams(LearnedParams):
 
 
 class _Net(nn.Module):
+    context_mean: torch.Tensor
+    context_std: torch.Tensor
+
     def __init__(self, num_gaps: int, num_context: int, hidden: int, context_hidden: int) -> None:
         super().__init__()
         self.num_gaps = num_gaps
@@ -91,7 +94,7 @@ class LSTMPolicy(LearnedPolicy):
     """LSTM over per-block gap histories plus an MLP over the other features."""
 
     name = "lstm"
-    Params = LSTMParams
+    Params: ClassVar[type[PolicyParams]] = LSTMParams
     params: LSTMParams
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
@@ -155,7 +158,9 @@ class LSTMPolicy(LearnedPolicy):
             # Start the output at the base rate so early epochs do not fight a bad bias.
             rate = float(y.mean().clamp(1e-4, 1 - 1e-4))
             with torch.no_grad():
-                self.net.head[-1].bias.fill_(math.log(rate / (1 - rate)))
+                out_layer = self.net.head[-1]
+                assert isinstance(out_layer, nn.Linear)
+                out_layer.bias.fill_(math.log(rate / (1 - rate)))
             opt = torch.optim.Adam(self.net.parameters(), lr=p.learning_rate)
             loss_fn = nn.BCEWithLogitsLoss()
             gen = torch.Generator().manual_seed(p.seed)
