@@ -176,7 +176,7 @@ class SidecarSettings(BaseSettings):
         "and sizes the payloads a local executor writes.",
     )
     planner: PlannerParams = Field(
-        default_factory=PlannerParams,
+        default_factory=lambda: PlannerParams.model_validate({}),
         description="Eviction sample, admission veto, prefetch budget, hysteresis.",
     )
     prefetch: bool = Field(True, description="Run speculative prefetch rounds.")
