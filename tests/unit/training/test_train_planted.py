@@ -9,6 +9,7 @@ what a model of the gap reaches.
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 from features.decoders import decode_mooncake
@@ -54,6 +55,14 @@ def test_lightgbm_learns_the_planted_gap(planted_events):
         planted_events, _config("lightgbm", num_boost_round=60, num_leaves=15)
     )
     _check(result, "lightgbm")
+    # Replay scored every test row through observe + score; that must equal the model
+    # on the dataset's rows (one feature code path, online == offline).
+    test = result.parts["test"]
+    complete = test.labels[f"horizon_complete_{HORIZON_MS}ms"]
+    np.testing.assert_array_equal(
+        result.evaluations["lightgbm"].test_probabilities,
+        result.policy.predict_features(test.X[complete]),
+    )
 
 
 def test_lstm_learns_the_planted_gap(planted_events):
