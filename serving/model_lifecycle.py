@@ -139,6 +139,9 @@ class ModelManager:
         self._scratch = Path(scratch_dir) if scratch_dir else None
         self._status = ModelStatus(spec, FALLBACK_POLICY, "none", "load_failed", "not loaded yet")
         self._policy: Policy | None = None
+        self._last_version = ""
+        self._broken_versions: set[str] = set()
+        """Versions that failed to load: not downloaded-and-parsed again every poll."""
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -176,11 +179,17 @@ class ModelManager:
             raise PolicyLoadError(path / MANIFEST_NAME, "missing; not a saved kvwarm policy")
         return "path", path, content_version(path)
 
-    def _load(self) -> tuple[Policy, str]:
+    def _load(self, skip_versions: frozenset[str] = frozenset()) -> tuple[Policy | None, str]:
+        """Load what ``spec`` names now; ``(None, version)`` when that version is one of
+        ``skip_versions`` (already served, or known broken): nothing is parsed then."""
+        self._last_version = ""
         # MLflow downloads land in a scratch dir dropped once the model is in memory.
         scratch = Path(tempfile.mkdtemp(prefix="kvwarm-model-", dir=self._scratch))
         try:
             kind, directory, version = self._resolve(scratch)
+            self._last_version = version
+            if version in skip_versions:
+                return None, version
             if kind == "builtin":
                 policy = make_policy(self.spec)
                 if getattr(policy, "fitted", True) is False:
@@ -201,8 +210,11 @@ class ModelManager:
         """The policy to start with: the asked-for model, or LRU (degraded) if it fails."""
         try:
             policy, version = self._load()
+            assert policy is not None
         except Exception as exc:
             kind = _classify(exc)
+            if isinstance(exc, PolicyLoadError) and self._last_version:
+                self._broken_versions.add(self._last_version)
             log.error(
                 "model %r could not be loaded (%s): %s; serving with %s until a good version "
                 "appears",
@@ -236,9 +248,14 @@ class ModelManager:
             current = self._status
             if current.degraded is None and current.version == "builtin":
                 return False  # a baseline never changes
+            skip = set(self._broken_versions)
+            if current.degraded is None:
+                skip.add(current.version)
             try:
-                policy, version = self._load()
+                policy, version = self._load(frozenset(skip))
             except Exception as exc:
+                if isinstance(exc, PolicyLoadError) and self._last_version:
+                    self._broken_versions.add(self._last_version)
                 if current.degraded is None:
                     # A good model keeps serving; the broken version is only reported.
                     self.num_failed_reloads += 1
@@ -248,8 +265,8 @@ class ModelManager:
                 else:
                     self._status = _replace(current, degraded=_classify(exc), reason=str(exc))
                 return False
-            if current.degraded is None and version == current.version:
-                return False
+            if policy is None:
+                return False  # unchanged, or a version already known to be broken
             self._warm(policy)
             if self.sidecar is not None:
                 self.sidecar.swap_policy(policy)

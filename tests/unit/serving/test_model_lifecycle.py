@@ -123,6 +123,9 @@ def test_a_broken_new_version_keeps_the_good_one(saved_model, tmp_path):
     assert manager.check_for_update() is False
     assert sidecar.policy.name == "lightgbm" and manager.status.version == good
     assert manager.status.status == "ok" and "model.txt" in manager.status.last_error
+    # The same broken bytes are not parsed (and reported) again at every poll.
+    assert manager.check_for_update() is False
+    assert manager.num_failed_reloads == 1
 
 
 def test_learned_to_learned_swap_shares_the_feature_state(saved_model, tmp_path, small_trace):
