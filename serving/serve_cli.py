@@ -375,7 +375,10 @@ class Service:
 @click.option("--clock", type=click.Choice(["wall", "event"]), help="wall (serving) or event time.")
 @click.option("--batch-size", type=int, help="Most events between two flush+commit points.")
 @click.option("--model-poll-s", "model_poll_interval_s", type=float, help="Alias poll interval.")
-def serve(config_path: str | None, **flags: Any) -> None:
+@click.option(
+    "--print-settings", is_flag=True, help="Print the effective settings as JSON and exit."
+)
+def serve(config_path: str | None, print_settings: bool, **flags: Any) -> None:
     """Run the sidecar: events in, promote/demote decisions out.
 
     Every setting can also come from KVWARM_<NAME> variables or a config file; see
@@ -387,6 +390,9 @@ def serve(config_path: str | None, **flags: Any) -> None:
         settings = load_settings(config_path, **flags)
     except Exception as exc:
         raise click.UsageError(str(exc)) from exc
+    if print_settings:  # secrets print as '**********'
+        click.echo(settings.model_dump_json(indent=2))
+        return
     service = Service(settings).start()
 
     def on_signal(signum: int, frame: FrameType | None) -> None:

@@ -181,3 +181,15 @@ def test_the_trace_is_read_once_through(tmp_path):
     # Batches were sized to the latency target, not the 1024 upper bound.
     assert 1 <= service.source.cap <= 1024
     assert sum(n for _, n in service.source.latencies) == len(events)
+
+
+def test_print_settings_shows_effective_values_and_hides_secrets():
+    proc = _serve(
+        ["--print-settings", "--source", "file:events.jsonl"],
+        {"KVWARM_MLFLOW_TRACKING_TOKEN": "s3cret", "KVWARM_BATCH_SIZE": "17"},
+    )
+    stdout, stderr = proc.communicate(timeout=60)
+    assert proc.returncode == 0, stderr.decode()
+    shown = json.loads(stdout)
+    assert shown["source"] == "file:events.jsonl" and shown["batch_size"] == 17
+    assert "s3cret" not in stdout.decode() and shown["mlflow_tracking_token"] == "**********"
