@@ -16,6 +16,7 @@ from features.decoders import read_trace
 from predictor.registry import make_policy
 from serving.serve_cli import Service
 from serving.settings import load_settings
+from serving.sources import FileSource
 
 pytestmark = pytest.mark.slow
 
@@ -75,7 +76,18 @@ def test_alias_move_recovers_from_a_corrupt_version_without_restart(tmp_path, sm
         clock="event",
         http_port=0,
     )
-    service = Service(settings).start()
+    gate = threading.Event()  # set once the good version serves
+
+    class GatedSource(FileSource):
+        """Holds events back after the first 300 until the swap, so the swap happens
+        while the loop runs (outside the sidecar's lock, as a slow Kafka would)."""
+
+        def poll(self, max_events: int, timeout_ms: int = 0):
+            if self.num_events >= 300:
+                gate.wait(timeout=120)
+            return super().poll(max_events, timeout_ms)
+
+    service = Service(settings, source=GatedSource(small_trace)).start()
     policies_seen: list[str] = []
     service.sidecar.hooks.append(
         lambda e, m, now: policies_seen.append(service.sidecar.policy.name)
@@ -85,12 +97,7 @@ def test_alias_move_recovers_from_a_corrupt_version_without_restart(tmp_path, sm
         assert health["status"] == "degraded" and health["policy"] == "lru"
         assert "model.txt" in health["reason"]
 
-        # The loop runs (slowly, while degraded) as the good version is registered.
-        def throttle(event, moves, now_ms):
-            if service.models.status.degraded:
-                time.sleep(0.01)
-
-        service.sidecar.hooks.append(throttle)
+        # The loop runs (and is held at 300 events) while the good version is registered.
         runner = threading.Thread(target=service.run, kwargs={"max_events": NUM_EVENTS})
         runner.start()
         version = _register(store_uri, seed=2)  # a good version; the alias moves to it
@@ -99,8 +106,10 @@ def test_alias_move_recovers_from_a_corrupt_version_without_restart(tmp_path, sm
             assert time.monotonic() < deadline, _health(service)
             time.sleep(0.1)
         health = _health(service)
+        gate.set()
         runner.join(timeout=300)
     finally:
+        gate.set()
         service.close()
     assert health["policy"] == "lightgbm" and health["reason"] == ""
     assert version == "2"
