@@ -41,6 +41,8 @@ def hit_ratio_vs_capacity(report: ComparisonReport) -> Any:
             label=f"libCacheSim {best}",
         )
     ax.set_xscale("log")
+    ax.set_xticks(caps, [f"{c:g}%" for c in caps])
+    ax.minorticks_off()
     ax.set_xlabel("cache capacity (% of distinct blocks in the replayed part)")
     ax.set_ylabel("block hit ratio")
     ax.set_title("Single tier: hit ratio vs capacity")

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
+import functools
 import json
-import sys
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -123,13 +123,12 @@ def write_outputs(
 
 
 def _run(
+    trace: Path,
     events: list[BlocksAccessed],
     config: ComparisonConfig,
     *,
     models: dict[str, Policy],
     out_dir: Path,
-    trace_name: str,
-    checksum: str | None,
     experiment: str | None,
     quick: bool = False,
 ) -> ComparisonReport:
@@ -144,7 +143,11 @@ def _run(
     click.echo("")
     click.echo(format_tiered(report))
     written = write_outputs(
-        report, out_dir, trace_name=trace_name, checksum=checksum, experiment=experiment
+        report,
+        out_dir,
+        trace_name=trace.name,
+        checksum=trace_checksum(trace),
+        experiment=experiment,
     )
     click.echo("")
     click.echo(f"results: {written['results']}")
@@ -205,10 +208,28 @@ _common = [
 ]
 
 
-def common_options(fn: Any) -> Any:
+def comparison_options(fn: Any) -> Any:
+    """Add the options every comparison takes; the command receives them as one
+    ``ComparisonConfig`` (``config``) plus ``out_dir`` and ``experiment``."""
+
+    @functools.wraps(fn)
+    def wrapper(
+        *args: Any,
+        policies: str,
+        capacities: str,
+        train_fraction: float,
+        profile: str | None,
+        load: float,
+        modes: str,
+        no_peers: bool,
+        **kwargs: Any,
+    ) -> Any:
+        config = _config(policies, capacities, train_fraction, profile, load, modes, no_peers)
+        return fn(*args, config=config, **kwargs)
+
     for option in reversed(_common):
-        fn = option(fn)
-    return fn
+        wrapper = option(wrapper)
+    return wrapper
 
 
 def _config(
@@ -242,6 +263,10 @@ def _config(
     )
 
 
+def _out_dir(out_dir: Path | None, name: str) -> Path:
+    return out_dir or DEFAULT_OUT / f"{time.strftime('%Y%m%d-%H%M%S')}-{name}"
+
+
 @click.command()
 @click.option(
     "--trace", "trace", required=True, type=click.Path(dir_okay=False, exists=True, path_type=Path)
@@ -252,24 +277,17 @@ def _config(
     multiple=True,
     help="Use a trained model instead of training: lightgbm=PATH|models:/NAME@ALIAS.",
 )
-@common_options
+@comparison_options
 def replay(
     trace: Path,
     models: tuple[str, ...],
-    policies: str,
-    capacities: str,
-    train_fraction: float,
-    profile: str | None,
-    load: float,
-    modes: str,
-    no_peers: bool,
+    config: ComparisonConfig,
     out_dir: Path | None,
     experiment: str,
 ) -> None:
     """Replay a trace through the sidecar loop for every policy and capacity, in the
     single-tier and tiered-with-prefetch settings; train the learned policies on the
     first part of the trace by time unless models are given."""
-    config = _config(policies, capacities, train_fraction, profile, load, modes, no_peers)
     rejects = RejectLog()
     try:
         events = list(read_trace(trace, rejects=rejects))
@@ -277,15 +295,12 @@ def replay(
         raise click.ClickException(str(exc)) from None
     if rejects.total:
         click.echo(f"{rejects.total} rows rejected: {dict(rejects.counts)}", err=True)
-    name = trace.name.split(".")[0]
-    out = out_dir or DEFAULT_OUT / f"{time.strftime('%Y%m%d-%H%M%S')}-{name}"
     _run(
+        trace,
         events,
         config,
         models=_load_models(models),
-        out_dir=out,
-        trace_name=trace.name,
-        checksum=trace_checksum(trace),
+        out_dir=_out_dir(out_dir, trace.name.split(".")[0]),
         experiment=experiment or None,
     )
 
@@ -302,18 +317,12 @@ def replay(
     show_default=True,
     help="Workload profile of the generator.",
 )
-@common_options
+@comparison_options
 def demo(
     num_requests: int,
     seed: int,
     mix: str,
-    policies: str,
-    capacities: str,
-    train_fraction: float,
-    profile: str | None,
-    load: float,
-    modes: str,
-    no_peers: bool,
+    config: ComparisonConfig,
     out_dir: Path | None,
     experiment: str,
 ) -> None:
@@ -322,22 +331,18 @@ def demo(
     tables, write the plots and log everything to MLflow."""
     from features.generator import generate_to_file, params_for
 
-    config = _config(policies, capacities, train_fraction, profile, load, modes, no_peers)
-    out = out_dir or DEFAULT_OUT / f"{time.strftime('%Y%m%d-%H%M%S')}-demo"
+    out = _out_dir(out_dir, "demo")
     trace = generate_to_file(
         params_for(mix, num_requests=num_requests, seed=seed), out / f"{mix}-{num_requests}.jsonl"
     )
     click.echo(f"generated {num_requests:,} requests ({mix}, seed {seed}) in {trace}", err=True)
-    events = list(read_trace(trace))
     _run(
-        events,
+        trace,
+        list(read_trace(trace)),
         config,
         models={},
         out_dir=out,
-        trace_name=trace.name,
-        checksum=trace_checksum(trace),
         experiment=experiment or None,
         quick=True,
     )
-    if sys.stdout.isatty():
-        click.echo(f"\nopen the plots: ls {out}/*.png")
+    click.echo(f"\nplots and results.json are in {out}/")
