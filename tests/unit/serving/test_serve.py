@@ -193,3 +193,52 @@ def test_print_settings_shows_effective_values_and_hides_secrets():
     shown = json.loads(stdout)
     assert shown["source"] == "file:events.jsonl" and shown["batch_size"] == 17
     assert "s3cret" not in stdout.decode() and shown["mlflow_tracking_token"] == "**********"
+
+
+def test_engine_residency_over_zmq_is_mirrored_by_the_sidecar():
+    import threading
+
+    from serving.zmq_bench import TAGGED, EnginePublisher
+
+    s = TAGGED
+
+    def stored(hashes, medium):
+        return s.BlockStored(
+            block_hashes=hashes, parent_block_hash=None, token_ids=list(range(16 * len(hashes))),
+            block_size=16, lora_id=None, medium=medium, lora_name=None,
+        )  # fmt: skip
+
+    with EnginePublisher() as publisher:
+        settings = load_settings(
+            None,
+            source=publisher.url("engine0"),
+            tier_names=("hbm", "dram"),
+            tier_capacities_blocks=(64, 64),
+            http_enabled=False,
+            model_poll_interval_s=0,
+            poll_timeout_ms=20,
+        )
+        service = Service(settings)
+        runner = threading.Thread(target=service.run)
+        runner.start()
+        try:
+            stats = service.sidecar.stats
+            engines = lambda: service.source.stats()["engines"]  # noqa: E731
+            # ZMQ's slow joiner: wait until the subscription is live.
+            publisher.heartbeat_until(lambda: engines()["engine0"]["last_seq"] is not None)
+            publisher.publish(s.KVEventBatch(ts=1.0, events=[stored([1, 2, 3], "GPU")]))
+            publisher.publish(s.KVEventBatch(ts=2.0, events=[stored([4], "CPU")]))
+            publisher.publish(
+                s.KVEventBatch(ts=3.0, events=[s.BlockRemoved(block_hashes=[2], medium="GPU")])
+            )
+            deadline = time.monotonic() + 30
+            while stats.events < 3:
+                assert time.monotonic() < deadline, service.source.stats()
+                time.sleep(0.05)
+        finally:
+            service.stop()
+            runner.join(timeout=30)
+            service.close()
+    placement = service.placement
+    assert sorted(placement.members(0)) == [1, 3] and placement.members(1) == [4]
+    assert stats.requests == 0  # residency only: nothing to decide
