@@ -97,7 +97,9 @@ def next_access_time(ts_ms: np.ndarray, nxt: np.ndarray) -> np.ndarray:
     return out
 
 
-def next_access_from(block_ids: np.ndarray, query_ids: np.ndarray, query_pos: np.ndarray) -> np.ndarray:
+def next_access_from(
+    block_ids: np.ndarray, query_ids: np.ndarray, query_pos: np.ndarray
+) -> np.ndarray:
     """For each query (dense block id, position p): the index of the first access of
     that block at an index >= p, or ``len(block_ids)`` if none. Snapshot samples taken
     after ``p`` accesses were observed ask this with their block and ``p``."""

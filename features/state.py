@@ -798,11 +798,8 @@ class FeatureState:
         root = J[:, _ROOT]
         has_root = root >= 0
         rs = np.where(has_root, root, 0)
-        rj = self._i32.take(rs, axis=0)
         rext = self._i64[rs, _EXT]
         root_dec = self._f32[rs, k + self._root_hl] * scale[self._root_hl]
-        out[:, at["root_num_children"]] = np.where(has_root, rj[:, _NCHILD], MISSING)
-        out[:, at["root_access_count"]] = np.where(has_root, rj[:, _COUNT], MISSING)
         out[:, at[_ROOT_DECAYED_NAME]] = np.where(has_root, root_dec, MISSING)
         out[:, at["root_time_since_extended_ms"]] = np.where(
             has_root & (rext > 0), now_ms + 1 - rext, MISSING

@@ -7,7 +7,13 @@ import re
 import numpy as np
 
 from features.events import BlocksAccessed
-from features.feature_set import FEATURE_DOCS, FEATURE_NAMES, FEATURE_VERSION, feature_names
+from features.feature_set import (
+    FEATURE_DOCS,
+    FEATURE_NAMES,
+    FEATURE_VERSION,
+    feature_names,
+    request_level,
+)
 from features.state import FeatureParams, FeatureState
 
 
@@ -34,3 +40,13 @@ def test_version_is_recorded_and_names_follow_params() -> None:
     state.observe(BlocksAccessed(0, "r", (1, 2), 16))
     assert state.features_for(np.array([1, 9], dtype=np.uint64), 5).shape == (2, len(names))
     assert FeatureState().feature_names == FEATURE_NAMES
+
+
+def test_request_level_columns_are_the_same_for_every_row() -> None:
+    state = FeatureState()
+    state.observe(BlocksAccessed(0, "a", (1, 2, 3), 16))
+    state.observe(BlocksAccessed(900, "b", (1, 4), 16))
+    rows = state.features_for(np.array([1, 3, 77], dtype=np.uint64), 2000)
+    cols = [FEATURE_NAMES.index(n) for n in request_level(FEATURE_NAMES)]
+    assert len(cols) == 3
+    assert (rows[:, cols] == rows[0, cols]).all() and (rows[0, cols] > 0).all()

@@ -75,8 +75,6 @@ EXPECTED: dict[int, dict[str, float]] = {
         "time_since_extended_ms": 6000,  # r2 appended 6
         "parent_time_since_last_access_ms": 6000,
         "parent_access_count": 3,
-        "root_num_children": 1,
-        "root_access_count": 3,
         "root_decayed_count_hl_60s": ROOT_DECAYED,
         "root_time_since_extended_ms": 6000,
         "tier_rank": 1,  # DRAM, after HBM was removed
@@ -102,8 +100,6 @@ EXPECTED: dict[int, dict[str, float]] = {
         "num_children": 0,
         "parent_time_since_last_access_ms": 6000,
         "parent_access_count": 3,
-        "root_num_children": 1,
-        "root_access_count": 3,
         "root_decayed_count_hl_60s": ROOT_DECAYED,
         "root_time_since_extended_ms": 6000,
         "tier_rank": 4,
@@ -132,8 +128,6 @@ EXPECTED: dict[int, dict[str, float]] = {
         "time_since_extended_ms": 6000,
         "parent_time_since_last_access_ms": 6000,
         "parent_access_count": 2,
-        "root_num_children": 1,
-        "root_access_count": 3,
         "root_decayed_count_hl_60s": ROOT_DECAYED,
         "root_time_since_extended_ms": 6000,
         "tier_rank": 4,
