@@ -71,12 +71,21 @@ class MeteredSource:
     """
 
     def __init__(
-        self, inner: EventSource, metrics: SidecarMetrics, target_batch_latency_ms: float = 20.0
+        self,
+        inner: EventSource,
+        metrics: SidecarMetrics,
+        target_batch_latency_ms: float = 20.0,
+        *,
+        wall_clock_lag: bool = True,
     ) -> None:
         self.inner = inner
         self.metrics = metrics
         self.target_s = target_batch_latency_ms / 1000
+        # Lag = wall clock - newest event ts: meaningful when producers stamp events with
+        # wall-clock ms; on the event clock (replaying a trace) there is no lag by definition.
+        self.wall_clock_lag = wall_clock_lag
         self.cap = 16
+        self._max_events = 1
         self.cost_per_event_s = 0.0
         self.polled_at_s = 0.0
         self.num_unflushed = 0
@@ -90,15 +99,16 @@ class MeteredSource:
         return self.inner.exhausted
 
     def poll(self, max_events: int, timeout_ms: int) -> list[Event]:
-        events = self.inner.poll(max(1, min(max_events, self.cap)), timeout_ms)
-        self._max_events = max_events
+        self._max_events = max(1, max_events)
+        events = self.inner.poll(min(self._max_events, self.cap), timeout_ms)
         self.num_polls += 1
         if events:
             if not self.num_unflushed:
                 self.polled_at_s = time.perf_counter()
             self.num_unflushed += len(events)
             self.newest_ts_ms = max(self.newest_ts_ms, events[-1].ts_ms)
-            self.metrics.lag_seconds = max(0.0, (wall_ms() - self.newest_ts_ms) / 1000)
+            if self.wall_clock_lag:
+                self.metrics.lag_seconds = max(0.0, (wall_ms() - self.newest_ts_ms) / 1000)
         return events
 
     def delivered(self) -> float:
@@ -113,7 +123,7 @@ class MeteredSource:
                 cost if not self.cost_per_event_s else 0.8 * self.cost_per_event_s + 0.2 * cost
             )
             fit = int(self.target_s / self.cost_per_event_s) if self.cost_per_event_s else self.cap
-            self.cap = max(1, min(fit, getattr(self, "_max_events", fit)))
+            self.cap = max(1, min(fit, self._max_events))
         self.num_unflushed = 0
         return latency
 
@@ -130,12 +140,14 @@ class MeteredSource:
 class MeteredSidecar(Sidecar):
     """The sidecar with each ``score`` call observed in the scoring histogram."""
 
-    observe_score: Callable[[float], None] = staticmethod(lambda s: None)  # type: ignore[assignment]
+    observe_score: Callable[[float], None] | None = None
+    """Called with the seconds each score call took (the scoring histogram)."""
 
     def score(self, block_hashes: np.ndarray, now_ms: int) -> np.ndarray:
         t0 = time.perf_counter()
         out = super().score(block_hashes, now_ms)
-        self.observe_score(time.perf_counter() - t0)
+        if self.observe_score is not None:
+            self.observe_score(time.perf_counter() - t0)
         return out
 
 
@@ -229,7 +241,7 @@ class Service:
             recent_requests=settings.recent_requests,
             prefetch=settings.prefetch,
         )
-        self.sidecar.observe_score = self.metrics.scoring_seconds.observe  # type: ignore[method-assign]
+        self.sidecar.observe_score = self.metrics.scoring_seconds.observe
         self.models.attach(self.sidecar)
 
         sinks: list[DecisionSink] = []
@@ -256,7 +268,10 @@ class Service:
         self.sidecar.hooks.append(self.decisions)
 
         self.source = MeteredSource(
-            source or open_source(settings), self.metrics, settings.target_batch_latency_ms
+            source or open_source(settings),
+            self.metrics,
+            settings.target_batch_latency_ms,
+            wall_clock_lag=settings.clock == "wall",
         )
         self.metrics.bind(
             sidecar=self.sidecar,

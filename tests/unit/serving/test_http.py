@@ -105,6 +105,7 @@ def test_metrics_parse_and_match_what_was_sent(tmp_path, trace_with_bad_rows):
     assert value("kvwarm_tier_capacity_blocks", tier="dram") == 2048
     assert value("kvwarm_model_info", policy="lru", status="ok") == 1
     assert value("kvwarm_model_degraded") == 0
+    assert value("kvwarm_lag_seconds") == 0  # replaying on the event clock: no lag
 
     assert health_status == 200 and json.loads(health)["status"] == "ok"
     assert ready_status == 200 and missing_status == 404
