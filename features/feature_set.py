@@ -24,7 +24,7 @@ Conventions:
 
 from __future__ import annotations
 
-FEATURE_VERSION = 2
+FEATURE_VERSION = 3
 """Bump whenever ``feature_names`` changes (names, order, meaning).
 
 2: dropped the prefix root's fan-out and access count. When every request shares one
@@ -33,6 +33,8 @@ identify the time period, and a model trained on the first 60% of the trace fail
 the rest: LightGBM AUC of reuse within 300 s on the time-split test part 0.59 with
 them, 0.71 without (their ratio, tried in between, still 0.65). The fan-out of a
 block's own subtree is ``num_children``.
+3: added ``turn_gap_ms``, the conversation's pace (how long its user took between the
+previous turn and the latest one).
 """
 
 MISSING = -1.0
@@ -61,6 +63,8 @@ FEATURE_DOCS: dict[str, str] = {
     "last_request_output_tokens": "output tokens of the last request that read it (MISSING if unknown)",
     "last_request_hit_fraction": "leading known blocks / chain length of that request at its arrival",
     "turn_index": "turn of the last request that read it: session count, else chain continuations",
+    "turn_gap_ms": "time from the previous turn of its conversation to the last request that read "
+    "it: the conversation's pace (MISSING on a first turn)",
     "num_children": "distinct child blocks created after it",
     "time_since_child_access_ms": "now - last time a request read past this block (MISSING if never)",
     "time_since_extended_ms": "now - last time a request through it appended new blocks (MISSING if never)",
@@ -104,6 +108,7 @@ def feature_names(
         "last_request_output_tokens",
         "last_request_hit_fraction",
         "turn_index",
+        "turn_gap_ms",
         "num_children",
         "time_since_child_access_ms",
         "time_since_extended_ms",

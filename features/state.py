@@ -68,10 +68,11 @@ _BLOCK_RATE_HALF_LIFE_S = 60.0
 # int64 columns
 _LAST, _CHILD, _EXT, _FIRST = 0, 1, 2, 3
 _NUM_I64 = 4
-# int32 columns; _REQORD.._TURN are set to one value per request, so they are contiguous.
-_REQORD, _REQLEN, _INTOK, _OUTTOK, _HITLEN, _TURN = 0, 1, 2, 3, 4, 5
-_ROOT, _COUNT, _DEPTH, _PARENT, _NCHILD = 6, 7, 8, 9, 10
-_NUM_I32 = 11
+# int32 columns; _REQORD.._ROOT are set to one value per request, so they are contiguous.
+_REQORD, _REQLEN, _INTOK, _OUTTOK, _HITLEN, _TURN, _TURNGAP = 0, 1, 2, 3, 4, 5, 6
+_ROOT, _COUNT, _DEPTH, _PARENT, _NCHILD = 7, 8, 9, 10, 11
+_NUM_I32 = 12
+_INT32_MAX = 2**31 - 1
 # uint8 columns
 _FLAGS, _TIERS = 0, 1
 _NUM_U8 = 2
@@ -184,7 +185,7 @@ class FeatureState:
         self._index: dict[int, int] = {}
         self._free: list[int] = []
         self._high_water = 0  # rows [0, high_water) have been handed out at least once
-        self._sessions: dict[str, int] = {}
+        self._sessions: dict[str, tuple[int, int]] = {}  # session -> (turns, last ts_ms)
         self._arange = np.arange(1024, dtype=np.intp)
         self._gap_rank = np.arange(p.num_gaps)
         # Decayed counters are stored scaled by 2**((t - epoch) / half-life) so an access
@@ -344,7 +345,9 @@ class FeatureState:
         hit_tail = np.where(hit_len >= 2, req_start + hit_len - 1, 0)
         tail_prev = prev[hit_tail]
         tail_state = J_old[gidx[hit_tail]][:, [_REQLEN, _DEPTH, _TURN]]
+        tail_last_list = I_old[gidx[hit_tail], _LAST].tolist()
         turns = [1] * nreq
+        turn_gaps = [-1] * nreq
         weights = np.empty((nreq, self._f32.shape[1] - self._k), dtype=np.float32)
         slack = self.params.continuation_tail_slack
         hit_list = hit_len.tolist()
@@ -353,24 +356,22 @@ class FeatureState:
         safe_prev = np.maximum(tail_prev, 0)
         tail_prev_req = req[safe_prev].tolist()  # request and position of that earlier read
         tail_prev_pos = pos[safe_prev].tolist()
-        sessions = self._sessions
         for r, e in enumerate(chunk):
             self._tick(e.ts_ms, lengths[r])
             weights[r] = self._weights_at(e.ts_ms)
             if e.session_id is not None:
-                turn = sessions.pop(e.session_id, 0) + 1
-                sessions[e.session_id] = turn
-                if len(sessions) > self.params.max_tracked_sessions:
-                    del sessions[next(iter(sessions))]
-                turns[r] = turn
+                turns[r], turn_gaps[r] = self._session_turn(e.session_id, e.ts_ms)
             elif hit_list[r] >= 2:
                 if tail_prev_list[r] >= 0:  # the hit tail was read earlier in this chunk
                     rr = tail_prev_req[r]
                     reqlen, depth, turn = lengths[rr], tail_prev_pos[r], turns[rr]
+                    last_ts = chunk[rr].ts_ms
                 else:
                     reqlen, depth, turn = tail_state_list[r]
+                    last_ts = tail_last_list[r]
                 if reqlen - 1 - depth <= slack:
                     turns[r] = turn + 1
+                    turn_gaps[r] = min(e.ts_ms - last_ts, _INT32_MAX)
         reqord = self.num_requests + 1 + np.arange(nreq, dtype=np.int64)
         self.num_requests += nreq
         self.num_accesses += num
@@ -420,6 +421,7 @@ class FeatureState:
         consts[:, _OUTTOK] = [-1 if e.output_tokens is None else e.output_tokens for e in chunk]
         consts[:, _HITLEN] = hit_len
         consts[:, _TURN] = turns
+        consts[:, _TURNGAP] = turn_gaps
         consts[:, _ROOT] = sl[req_start]
         J_new[:, _REQORD : _ROOT + 1] = consts[req[last_acc]]
         J_new[:, _COUNT] = count_old + m
@@ -485,6 +487,14 @@ class FeatureState:
         """Multiplier turning stored decayed counters into their value at ``now_ms``."""
         return np.exp2(-(now_ms - self._dec_epoch_ms) * self._inv_hl_ms)
 
+    def _session_turn(self, session_id: str, ts_ms: int) -> tuple[int, int]:
+        """(turn, ms since the session's previous request or -1) of a new request."""
+        prev_turn, prev_ts = self._sessions.pop(session_id, (0, 0))
+        self._sessions[session_id] = (prev_turn + 1, ts_ms)
+        if len(self._sessions) > self.params.max_tracked_sessions:
+            del self._sessions[next(iter(self._sessions))]
+        return prev_turn + 1, min(ts_ms - prev_ts, _INT32_MAX) if prev_turn else -1
+
     def _requests_that_fit(self, chunk: list[BlocksAccessed]) -> int:
         """How many leading requests of ``chunk`` need no more new rows than are spare."""
         spare = len(self._free) + self.params.max_tracked_blocks - self._high_water
@@ -514,16 +524,15 @@ class FeatureState:
 
         # Turn of this request: the session's count when the source has sessions, else
         # one more than the conversation it continues (read before the rows change).
-        turn = 1
+        turn, turn_gap = 1, -1
         if event.session_id is not None:
-            turn = self._sessions.pop(event.session_id, 0) + 1
-            self._sessions[event.session_id] = turn
-            if len(self._sessions) > self.params.max_tracked_sessions:
-                del self._sessions[next(iter(self._sessions))]
+            turn, turn_gap = self._session_turn(event.session_id, t)
         elif hit_len >= 2:
-            row = self._i32[found[hit_len - 1]]
+            tail = found[hit_len - 1]
+            row = self._i32[tail]
             if row[_REQLEN] - 1 - row[_DEPTH] <= self.params.continuation_tail_slack:
                 turn = int(row[_TURN]) + 1
+                turn_gap = min(t - int(self._i64[tail, _LAST]), _INT32_MAX)
 
         weights = self._weights_at(t)  # may rescale rows: before the gathers below
         if new_pos:
@@ -562,6 +571,7 @@ class FeatureState:
             -1 if event.output_tokens is None else event.output_tokens,
             hit_len,
             turn,
+            turn_gap,
             sl[0],
         )
         J[:, _COUNT] += 1
@@ -782,6 +792,7 @@ class FeatureState:
         out[:, at["last_request_output_tokens"]] = J[:, _OUTTOK]
         out[:, at["last_request_hit_fraction"]] = J[:, _HITLEN] / np.maximum(reqlen, 1)
         out[:, at["turn_index"]] = J[:, _TURN]
+        out[:, at["turn_gap_ms"]] = J[:, _TURNGAP]  # -1 (MISSING) on a first turn
         out[:, at["num_children"]] = J[:, _NCHILD]
         # _CHILD and _EXT hold ts + 1, so a zeroed row means "never".
         child = I[:, _CHILD]

@@ -70,6 +70,7 @@ EXPECTED: dict[int, dict[str, float]] = {
         "last_request_output_tokens": 300,
         "last_request_hit_fraction": 4 / 5,
         "turn_index": 3,
+        "turn_gap_ms": 3000,  # r2 (4000) continued r1 (1000)
         "num_children": 2,  # 3 (r0) and 4 (r1)
         "time_since_child_access_ms": 6000,
         "time_since_extended_ms": 6000,  # r2 appended 6
@@ -123,6 +124,7 @@ EXPECTED: dict[int, dict[str, float]] = {
         "last_request_output_tokens": 300,
         "last_request_hit_fraction": 4 / 5,
         "turn_index": 3,
+        "turn_gap_ms": 3000,
         "num_children": 1,
         "time_since_child_access_ms": 6000,
         "time_since_extended_ms": 6000,
@@ -194,6 +196,7 @@ def test_session_ids_give_the_turn_when_present() -> None:
     turn = FEATURE_NAMES.index("turn_index")
     feats = state.features_for(np.array([8, 3], dtype=np.uint64), 20)
     assert feats[:, turn].tolist() == [2.0, 1.0]
+    assert feats[:, FEATURE_NAMES.index("turn_gap_ms")].tolist() == [10.0, MISSING]
 
 
 def test_all_blocks_cleared_forgets_every_tier() -> None:
