@@ -78,6 +78,7 @@ _FLAGS, _TIERS = 0, 1
 _NUM_U8 = 2
 _FLAG_EVER_TAIL = 1
 _CHUNK_REQUESTS = 256  # requests folded per batch by observe_many
+_GROWTH = 4  # arrays grow 4x: few copies; rows not yet written cost no physical memory
 _REBASE_EXPONENT = 32.0  # stored decayed counters stay below count * 2**32: float32-safe
 _ROOT_DECAYED_NAME = f"root_decayed_count_hl_{ROOT_POPULARITY_HALF_LIFE_S:g}s"
 
@@ -113,7 +114,7 @@ class FeatureParams:
     max_tracked_sessions: int = 200_000
     """Cap on sessions whose turn count is kept (when the source has session ids)."""
     initial_capacity: int = 1 << 16
-    """Rows allocated up front; arrays double up to ``max_tracked_blocks``."""
+    """Rows allocated up front; arrays grow 4x at a time up to ``max_tracked_blocks``."""
 
     def __post_init__(self) -> None:
         if self.max_tracked_blocks < 16:
@@ -277,7 +278,7 @@ class FeatureState:
             cap = self._hash.shape[0]
             fresh_rows = need - len(free)
             if fresh_rows > cap - self._high_water and cap < self.params.max_tracked_blocks:
-                self._grow(max(cap * 2, self._high_water + fresh_rows))
+                self._grow(max(cap * _GROWTH, self._high_water + fresh_rows))
             if fresh_rows > self._hash.shape[0] - self._high_water:
                 fit = self._requests_that_fit(chunk) if len(chunk) > 1 else 0
                 return self._observe_chunk(chunk[:fit]) if fit else 0
@@ -592,7 +593,7 @@ class FeatureState:
         cap = self._hash.shape[0]
         if len(self._free) + cap - self._high_water < need:
             if cap < self.params.max_tracked_blocks:
-                self._grow(max(cap * 2, self._high_water + need))
+                self._grow(max(cap * _GROWTH, self._high_water + need))
             spare = len(self._free) + self._hash.shape[0] - self._high_water
             if spare < need:
                 protect = np.array([s for s in found if s is not None], dtype=np.intp)
@@ -837,7 +838,7 @@ class FeatureState:
     def bytes_per_tracked_block(self) -> float:
         """Bytes one tracked block costs: its array row, plus its dict entry and the key
         and value int objects (measured on up to 1,000 entries). Spare rows allocated
-        ahead of need are not counted (arrays grow by doubling up to the cap)."""
+        ahead of need are not counted (arrays grow 4x at a time up to the cap)."""
         row = sum(a.itemsize * (a.shape[1] if a.ndim == 2 else 1) for a in self._arrays())
         n = len(self._index)
         if n == 0:
