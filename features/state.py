@@ -52,6 +52,7 @@ from features.feature_set import (
     NO_TIER_RANK,
     ROOT_POPULARITY_HALF_LIFE_S,
     feature_names,
+    request_level,
 )
 
 __all__ = [
@@ -73,6 +74,18 @@ _REQORD, _REQLEN, _INTOK, _OUTTOK, _HITLEN, _TURN, _TURNGAP = 0, 1, 2, 3, 4, 5, 
 _ROOT, _COUNT, _DEPTH, _PARENT, _NCHILD = 7, 8, 9, 10, 11
 _NUM_I32 = 12
 _INT32_MAX = 2**31 - 1
+# Features that are a stored int32 column as it is.
+_DIRECT_SRC = np.array([_COUNT, _DEPTH, _REQLEN, _INTOK, _OUTTOK, _TURN, _TURNGAP, _NCHILD])
+_DIRECT_NAMES = (
+    "access_count",
+    "depth",
+    "last_request_num_blocks",
+    "last_request_input_tokens",  # -1 (MISSING) when the source did not say
+    "last_request_output_tokens",
+    "turn_index",
+    "turn_gap_ms",  # -1 (MISSING) on a first turn
+    "num_children",
+)
 # uint8 columns
 _FLAGS, _TIERS = 0, 1
 _NUM_U8 = 2
@@ -156,11 +169,23 @@ class _Columns:
     gap0: int = field(init=False)
     dec0: int = field(init=False)
     at: dict[str, int] = field(init=False)
+    direct_dst: np.ndarray = field(init=False)
+    since_last_first: np.ndarray = field(init=False)
+    child_ext: np.ndarray = field(init=False)
+    request_level: np.ndarray = field(init=False)
 
     def __post_init__(self) -> None:
-        self.at = {n: i for i, n in enumerate(self.names)}
-        self.gap0 = self.at["gap_1_ms"]
+        at = self.at = {n: i for i, n in enumerate(self.names)}
+        self.gap0 = at["gap_1_ms"]
         self.dec0 = self.gap0 + sum(n.startswith("gap_") for n in self.names)
+        self.direct_dst = np.array([at[n] for n in _DIRECT_NAMES], dtype=np.intp)
+        self.since_last_first = np.array(
+            [at["time_since_last_access_ms"], at["age_ms"]], dtype=np.intp
+        )
+        self.child_ext = np.array(
+            [at["time_since_child_access_ms"], at["time_since_extended_ms"]], dtype=np.intp
+        )
+        self.request_level = np.array([at[n] for n in request_level(self.names)], dtype=np.intp)
 
 
 class FeatureState:
@@ -771,7 +796,6 @@ class FeatureState:
         J = self._i32.take(sl, axis=0)
         U = self._u8.take(sl, axis=0)
         cnt = J[:, _COUNT]
-        dt = now_ms - I[:, _LAST]
         out[:, at["known"]] = 1.0
         F = self._f32.take(sl, axis=0)
         # A block read c times has c - 1 gaps; the rest of the shift register is noise.
@@ -779,39 +803,29 @@ class FeatureState:
         out[:, c.gap0 : c.gap0 + k] = np.where(valid, F[:, :k], MISSING)
         scale = self._dec_scale(now_ms)
         out[:, c.dec0 : c.dec0 + scale.shape[0]] = F[:, k:] * scale
-        out[:, at["access_count"]] = cnt
-        out[:, at["age_ms"]] = now_ms - I[:, _FIRST]
-        out[:, at["time_since_last_access_ms"]] = dt
+        # Stored int32 columns copied as they are, in one operation.
+        out[:, c.direct_dst] = J[:, _DIRECT_SRC]
+        out[:, c.since_last_first] = now_ms - I[:, [_LAST, _FIRST]]
         out[:, at["requests_since_last_access"]] = self.num_requests - J[:, _REQORD]
-        depth = J[:, _DEPTH]
         reqlen = J[:, _REQLEN]
-        out[:, at["depth"]] = depth
-        out[:, at["last_request_num_blocks"]] = reqlen
-        out[:, at["blocks_to_tail"]] = reqlen - 1 - depth
+        out[:, at["blocks_to_tail"]] = reqlen - 1 - J[:, _DEPTH]
         out[:, at["ever_tail"]] = U[:, _FLAGS] & _FLAG_EVER_TAIL
-        out[:, at["last_request_input_tokens"]] = J[:, _INTOK]
-        out[:, at["last_request_output_tokens"]] = J[:, _OUTTOK]
         out[:, at["last_request_hit_fraction"]] = J[:, _HITLEN] / np.maximum(reqlen, 1)
-        out[:, at["turn_index"]] = J[:, _TURN]
-        out[:, at["turn_gap_ms"]] = J[:, _TURNGAP]  # -1 (MISSING) on a first turn
-        out[:, at["num_children"]] = J[:, _NCHILD]
         # _CHILD and _EXT hold ts + 1, so a zeroed row means "never".
-        child = I[:, _CHILD]
-        out[:, at["time_since_child_access_ms"]] = np.where(child > 0, now_ms + 1 - child, MISSING)
-        ext = I[:, _EXT]
-        out[:, at["time_since_extended_ms"]] = np.where(ext > 0, now_ms + 1 - ext, MISSING)
-        parent = J[:, _PARENT]
-        has_parent = parent >= 0
-        ps = np.where(has_parent, parent, 0)
+        child_ext = I[:, _CHILD : _EXT + 1]
+        out[:, c.child_ext] = np.where(child_ext > 0, now_ms + 1 - child_ext, MISSING)
+        # Parent and prefix root, gathered together (-1 = none or dropped by the cap).
+        links = J[:, [_PARENT, _ROOT]]
+        has = links >= 0
+        safe = np.where(has, links, 0)
+        parent, root = safe[:, 0], safe[:, 1]
+        has_parent, has_root = has[:, 0], has[:, 1]
         out[:, at["parent_time_since_last_access_ms"]] = np.where(
-            has_parent, now_ms - self._i64[ps, _LAST], MISSING
+            has_parent, now_ms - self._i64[parent, _LAST], MISSING
         )
-        out[:, at["parent_access_count"]] = np.where(has_parent, self._i32[ps, _COUNT], MISSING)
-        root = J[:, _ROOT]
-        has_root = root >= 0
-        rs = np.where(has_root, root, 0)
-        rext = self._i64[rs, _EXT]
-        root_dec = self._f32[rs, k + self._root_hl] * scale[self._root_hl]
+        out[:, at["parent_access_count"]] = np.where(has_parent, self._i32[parent, _COUNT], MISSING)
+        rext = self._i64[root, _EXT]
+        root_dec = self._f32[root, k + self._root_hl] * scale[self._root_hl]
         out[:, at[_ROOT_DECAYED_NAME]] = np.where(has_root, root_dec, MISSING)
         out[:, at["root_time_since_extended_ms"]] = np.where(
             has_root & (rext > 0), now_ms + 1 - rext, MISSING
@@ -826,12 +840,15 @@ class FeatureState:
         return out
 
     def _fill_request_level(self, out: np.ndarray, now_ms: int) -> None:
-        at = self._cols.at
+        """Arrival rates at ``now_ms``, in ``request_level(feature_names)`` order."""
         dt_s = (now_ms - self.clock_ms) / 1000.0
-        for hl, count in zip(self._rate_hl_s, self._req_counts, strict=True):
-            out[:, at[f"request_rate_per_s_hl_{hl:g}s"]] = count * 2.0 ** (-dt_s / hl) * _LN2 / hl
+        rates = [
+            count * 2.0 ** (-dt_s / hl) * _LN2 / hl
+            for hl, count in zip(self._rate_hl_s, self._req_counts, strict=True)
+        ]
         blocks = self._block_count * 2.0 ** (-dt_s / _BLOCK_RATE_HALF_LIFE_S)
-        out[:, at["block_access_rate_per_s_hl_60s"]] = blocks * _LN2 / _BLOCK_RATE_HALF_LIFE_S
+        rates.append(blocks * _LN2 / _BLOCK_RATE_HALF_LIFE_S)
+        out[:, self._cols.request_level] = rates
 
     # --- memory ----------------------------------------------------------------------
 
