@@ -1,35 +1,39 @@
 """Online per-block feature state: the one code path for serving and training.
 
-Serving feeds it the live event stream; ``training.dataset`` feeds it a trace, one
-event at a time through the same ``observe``, and reads rows with the same
-``features_for``. There is no second implementation of any feature.
+Serving feeds it the live event stream; ``training.dataset`` feeds it a trace through
+the same ``observe`` and reads rows with the same ``features_for``. There is no second
+implementation of any feature.
 
 Primitives:
 
 - ``FeatureParams``: frozen, validated knobs (cap on tracked blocks, number of gaps,
   half-lives ...).
 - ``FeatureState(params)``:
-  - ``observe(event)`` / ``observe_many(events)``: ``BlocksAccessed`` updates the
-    blocks of one request in a handful of vectorised numpy operations;
-    ``BlockStored`` / ``BlockRemoved`` / ``AllBlocksCleared`` update the tier set of
-    tracked blocks (residency of untracked blocks is ignored: nothing to predict).
+  - ``observe(event)``: ``BlocksAccessed`` updates the blocks of one request in a
+    handful of vectorised numpy operations; ``BlockStored`` / ``BlockRemoved`` /
+    ``AllBlocksCleared`` update the tier set of tracked blocks (residency of untracked
+    blocks is ignored: nothing to predict).
+  - ``observe_many(events)``: the same result, bit for bit (property-tested), folding
+    runs of requests a chunk at a time; about twice as fast. Use it for a Kafka poll
+    or a trace; use ``observe`` when rows are needed between two events.
   - ``features_for(block_hashes, now_ms)``: float32 matrix (n, len(feature_names)),
     a valid row for unknown blocks (``known=0``), never an exception.
   - cheap accessors for the baselines (``last_access_ms``, ``access_count``,
     ``decayed_count``, ``root_last_access_ms``), ``known``/``slot_of``,
     ``tracked_hashes``, ``num_tracked``, ``bytes_per_tracked_block``.
 
-Storage: one row per tracked block in four flat arrays (int64, int32, float32, uint8
-columns) plus a ``dict`` hash -> row. At ``max_tracked_blocks`` the coldest
-``evict_fraction`` of the rows (oldest last access) is dropped in one vectorised pass,
-never a block of the request being observed. Features at time t depend only on the
-events observed so far, in their order: that is what makes training rows equal to
-serving rows and free of leakage.
+Storage: one row per tracked block in five flat arrays (uint64 hash, int64, int32,
+float32 and uint8 columns) plus a ``dict`` hash -> row. At ``max_tracked_blocks`` the
+coldest ``evict_fraction`` of the rows (oldest last access, then lowest row) is
+dropped in one vectorised pass, never a block of the request being observed. Features
+at time t depend only on the events observed so far, in their order: that is what
+makes training rows equal to serving rows and free of leakage.
 
-Conventions: a block read twice by one request counts once. Timestamps are
-non-decreasing in a stream (``features.decoders`` guarantees it for traces); a query
-``now_ms`` earlier than a block's last access gives negative elapsed times, not an
-error.
+Conventions: a block read twice by one request counts once. Timestamps are expected
+non-decreasing (``features.decoders`` guarantees it for traces); a query ``now_ms``
+earlier than the latest observed access is answered as of that access. A single
+request with more new blocks than ``max_tracked_blocks`` raises
+``FeatureParamsError`` (raise the cap).
 """
 
 from __future__ import annotations
