@@ -19,6 +19,7 @@ import cProfile
 import os
 import pstats
 import tempfile
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -69,6 +70,27 @@ def train_model(trace: Path, out_dir: Path, num_requests: int) -> Path:
     return policy.save(out_dir)
 
 
+STALL_S = 120.0
+"""A run that handles no event for this long is stopped (a consumer that never got
+its partitions would otherwise hang the benchmark)."""
+
+
+def _watchdog(service: Service, stall_s: float) -> threading.Event:
+    done = threading.Event()
+
+    def watch() -> None:
+        last = -1
+        while not done.wait(stall_s):
+            now = service.sidecar.stats.events
+            if now == last:
+                service.stop()
+                return
+            last = now
+
+    threading.Thread(target=watch, name="bench-watchdog", daemon=True).start()
+    return done
+
+
 def run_once(
     label: str, settings_kwargs: dict[str, Any], profile_to: Path | None = None
 ) -> RunResult:
@@ -76,6 +98,7 @@ def run_once(
     max_events = settings_kwargs.pop("_max_events", None)
     settings = load_settings(None, **settings_kwargs)
     service = Service(settings)
+    stop_watchdog = _watchdog(service, STALL_S)
     try:
         t0 = time.perf_counter()
         if profile_to is not None:
@@ -87,7 +110,11 @@ def run_once(
             profiler.dump_stats(str(profile_to))
         elapsed = time.perf_counter() - t0
     finally:
+        stop_watchdog.set()
         service.close()
+    if max_events is not None and stats.events < max_events:
+        click.echo(f"{label}: stalled after {stats.events} of {max_events} events (no progress "
+                   f"for {STALL_S:.0f} s); figures cover what was handled", err=True)  # fmt: skip
     p50, p99 = weighted_percentiles(list(service.source.latencies), (50, 99))
     return RunResult(
         label,

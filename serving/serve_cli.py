@@ -162,6 +162,7 @@ def open_source(settings: SidecarSettings) -> EventSource:
             ep.target,
             ep.topic,
             group_id=settings.kafka_group_id,
+            group_instance_id=settings.kafka_group_instance_id,
             dead_letter_topic=settings.kafka_dead_letter_topic,
         )
     if ep.scheme == "zmq":

@@ -150,6 +150,14 @@ class SidecarSettings(BaseSettings):
         max_length=249,
         description="Consumer group of a Kafka source; sidecars of one group share partitions.",
     )
+    kafka_group_instance_id: str | None = Field(
+        None,
+        min_length=1,
+        max_length=249,
+        description="Static group membership (KIP-345): a stable id per sidecar lets a "
+        "restarted process take its partitions back at once instead of after the session "
+        "timeout.",
+    )
     kafka_dead_letter_topic: str | None = Field(
         None, description="Dead-letter topic of a Kafka source (default: SOURCE_TOPIC.dlq)."
     )
