@@ -107,6 +107,18 @@ def parse_executor(spec: str) -> Endpoint:
     raise SettingsError(f"executor {spec!r} is not understood; use {EXECUTOR_FORMS}")
 
 
+class ServingPlannerParams(PlannerParams):
+    """``PlannerParams`` with the replay's hysteresis default (``training.tiered``): what
+    is evaluated is what is served. Any field given (file, env) keeps the others' defaults."""
+
+    min_residency_ms: int = Field(
+        2_000,
+        ge=0,
+        description="Hysteresis: a block moved less than this long ago is not displaced by "
+        "a speculative promotion.",
+    )
+
+
 class SidecarSettings(BaseSettings):
     """Everything ``kvwarm serve`` can be told. Frozen: build a new one to change it."""
 
@@ -183,8 +195,8 @@ class SidecarSettings(BaseSettings):
         description="Payload bytes of one KV block; converts executor capacities to blocks "
         "and sizes the payloads a local executor writes.",
     )
-    planner: PlannerParams = Field(
-        default_factory=lambda: PlannerParams.model_validate({}),
+    planner: ServingPlannerParams = Field(
+        default_factory=lambda: ServingPlannerParams.model_validate({}),
         description="Eviction sample, admission veto, prefetch budget, hysteresis.",
     )
     prefetch: bool = Field(True, description="Run speculative prefetch rounds.")
@@ -192,7 +204,7 @@ class SidecarSettings(BaseSettings):
         1_000, ge=1, le=3_600_000, description="Time between speculative prefetch rounds."
     )
     recent_requests: int = Field(
-        64,
+        128,
         ge=1,
         le=100_000,
         description="Prefetch candidates are the blocks of this many most recent requests; "

@@ -47,6 +47,7 @@ def test_priority_is_flags_then_env_then_file(tmp_path, monkeypatch):
     # Nested planner fields merge across file and env.
     assert settings.planner.eviction_sample == 8
     assert settings.planner.prefetch_budget_blocks == 5
+    assert settings.planner.min_residency_ms == 2_000  # fields not given keep their defaults
     assert settings.model == "lru"  # a None flag is "not given"
 
 
