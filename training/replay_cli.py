@@ -5,7 +5,7 @@ from __future__ import annotations
 import functools
 import json
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +21,7 @@ from training.report import (
     LEARNED,
     ComparisonConfig,
     ComparisonReport,
+    Trainer,
     format_single,
     format_tiered,
     run_comparison,
@@ -30,14 +31,17 @@ from training.report import (
 DEFAULT_OUT = Path("runs")
 
 
-def make_trainer(quick: bool) -> Callable[[str, Sequence[BlocksAccessed]], Policy]:
+def make_trainer(quick: bool, horizon_ms: int = 60_000) -> Trainer:
     """Train a learned policy on the replay's training part with the training module's
-    settings (``quick``: a few seconds, for demos and tests)."""
+    settings (``quick``: a few seconds, for demos and tests). The horizon is given in
+    the original trace's time and stretched with the replay's time scale."""
 
-    def trainer(name: str, events: Sequence[BlocksAccessed]) -> Policy:
+    def trainer(name: str, events: Sequence[BlocksAccessed], time_scale: float) -> Policy:
         from training.train import fit_policy_on_events
 
-        return fit_policy_on_events(name, events, quick=quick)
+        return fit_policy_on_events(
+            name, events, quick=quick, horizon_ms=int(horizon_ms * time_scale)
+        )
 
     return trainer
 

@@ -50,9 +50,10 @@ LEARNED = ("lightgbm", "lstm")
 DEFAULT_POLICIES = ("lru", "lfu", "prefix_lru", "lightgbm", "lstm", "oracle")
 NO_PREWARM = "no_prewarm"
 
-Trainer = Callable[[str, Sequence[BlocksAccessed]], Policy]
-"""(policy name, training events) -> a trained policy (state empty or not: it is
-given the training events to observe before replay either way)."""
+Trainer = Callable[[str, Sequence[BlocksAccessed], float], Policy]
+"""(policy name, training events, time scale) -> a trained policy. The events are the
+replay's, stretched by the time scale; a trainer scales its time horizons by it so the
+model predicts the same thing it would on the original trace."""
 
 
 @dataclass
@@ -165,7 +166,7 @@ def run_comparison(
                 )
             say(f"training {name} on {len(train):,} requests")
             t0 = time.perf_counter()
-            trained[name] = trainer(name, train)
+            trained[name] = trainer(name, train, scale)
             report.training[name] = {"seconds": time.perf_counter() - t0}
             size = getattr(trained[name], "model_size_bytes", None)
             if callable(size):
