@@ -262,7 +262,13 @@ def _peer_ratios(test: Sequence[BlocksAccessed], capacity: int) -> dict[str, Any
     arrays = access_arrays(test)
     results = peer_hit_ratios(arrays.block_ids, capacity, ts_ms=arrays.ts_ms)
     return {
-        "hit_ratios": {name: r.hit_ratio for name, r in results.items() if r.available},
+        # Online policies only: libCacheSim's Belady reads the future, it is a reference.
+        "hit_ratios": {
+            name: r.hit_ratio for name, r in results.items() if r.available and not r.needs_future
+        },
+        "future_aware": {
+            name: r.hit_ratio for name, r in results.items() if r.available and r.needs_future
+        },
         "unavailable": {name: r.error for name, r in results.items() if not r.available},
         "seconds": {name: r.elapsed_s for name, r in results.items()},
     }

@@ -40,6 +40,8 @@ def test_demo_writes_tables_plots_results_and_an_mlflow_run(tmp_path, monkeypatc
         assert refs["lru_exact"] <= refs["belady"]
         assert set(row["policies"]) == {"lru", "lightgbm", "oracle"}
         assert row["peers"]["hit_ratios"]["LRU"] == refs["lru_exact"]  # same sequence, same count
+        assert row["peers"]["future_aware"]["Belady"] == refs["belady"]
+        assert "Belady" not in row["peers"]["hit_ratios"]
         # Nothing online may beat the optimum with bypass (future leaking into a policy).
         assert max(row["policies"].values()) <= refs["belady_bypass"] + 1e-12
     policies = {row["policy"] for row in data["tiered"]}
