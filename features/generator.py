@@ -143,7 +143,7 @@ class _Model:
         weights = np.array([p.mix[k] for k in kinds], dtype=float)
         self.kinds, self.kind_weights = kinds, weights / weights.sum()
 
-    def _segment(self, tokens: int) -> Segment:
+    def _segment(self, tokens: float) -> Segment:
         self.next_content += 1
         return (self.next_content, max(1, int(tokens)))
 

@@ -13,12 +13,30 @@ import click
 
 # name -> ("module:attribute", one-line help)
 BENCHES: dict[str, tuple[str, str]] = {
-    "executor": ("executor.bench:bench_executor", "Executor promote GB/s, serial vs parallel vs raw read of the same files."),
-    "features": ("features.bench:features", "Feature state: block accesses/s for update and update+extraction, bytes per block, dataset build time."),
-    "kafka": ("serving.kafka_bench:bench_kafka", "Kafka block accesses/s (produce, consume+decode; 1 and 4 partitions) and latency vs decode from memory."),
-    "replay": ("training.replay_bench:replay_bench", "Single-tier replay block accesses/s per policy vs an exact LRU pass."),
-    "serve": ("serving.serve_bench:serve_bench", "Sidecar block accesses/s and event-to-decision latency vs LRU."),
-    "zmq": ("serving.zmq_bench:bench_zmq", "KV events/s from ZMQ (and bridged into Kafka) vs decode from memory."),
+    "executor": (
+        "executor.bench:bench_executor",
+        "Executor promote GB/s, serial vs parallel vs raw read of the same files.",
+    ),
+    "features": (
+        "features.bench:features",
+        "Feature state: block accesses/s for update and update+extraction, bytes per block, dataset build time.",
+    ),
+    "kafka": (
+        "serving.kafka_bench:bench_kafka",
+        "Kafka block accesses/s (produce, consume+decode; 1 and 4 partitions) and latency vs decode from memory.",
+    ),
+    "replay": (
+        "training.replay_bench:replay_bench",
+        "Single-tier replay block accesses/s per policy vs an exact LRU pass.",
+    ),
+    "serve": (
+        "serving.serve_bench:serve_bench",
+        "Sidecar block accesses/s and event-to-decision latency vs LRU.",
+    ),
+    "zmq": (
+        "serving.zmq_bench:bench_zmq",
+        "KV events/s from ZMQ (and bridged into Kafka) vs decode from memory.",
+    ),
 }
 
 

@@ -22,13 +22,28 @@ COMMANDS: dict[str, tuple[str, str]] = {
     ),
     "stats": ("features.stats_cli:stats", "Print a trace's statistics and LRU/Belady hit ratios."),
     "bench": ("serving.bench_cli:bench", "Run benchmarks (ratios against same-process baselines)."),
-    "train": ("training.train_cli:train", "Train a LightGBM/LSTM policy, compare with baselines, log to MLflow."),
+    "train": (
+        "training.train_cli:train",
+        "Train a LightGBM/LSTM policy, compare with baselines, log to MLflow.",
+    ),
     "kafka": ("serving.kafka_cli:kafka", "Run a local Kafka broker: up, down, status, fetch."),
-    "produce": ("serving.kafka_cli:produce", "Replay a trace into a Kafka topic (real time, scaled, capped)."),
-    "serve": ("serving.serve_cli:serve", "Run the sidecar: events in, promote/demote decisions out."),
+    "produce": (
+        "serving.kafka_cli:produce",
+        "Replay a trace into a Kafka topic (real time, scaled, capped).",
+    ),
+    "serve": (
+        "serving.serve_cli:serve",
+        "Run the sidecar: events in, promote/demote decisions out.",
+    ),
     "bridge": ("serving.bridge:bridge", "Forward vLLM/SGLang KV events from ZMQ into Kafka."),
-    "replay": ("training.replay_cli:replay", "Replay a trace: every policy vs baselines and the oracle."),
-    "demo": ("training.replay_cli:demo", "The main job on a generated workload: train, replay, report."),
+    "replay": (
+        "training.replay_cli:replay",
+        "Replay a trace: every policy vs baselines and the oracle.",
+    ),
+    "demo": (
+        "training.replay_cli:demo",
+        "The main job on a generated workload: train, replay, report.",
+    ),
 }
 
 

@@ -21,6 +21,7 @@ import click
 from features.annotate import access_arrays
 from features.decoders import read_trace
 from features.trace_stats import lru_hits
+from predictor.base import Policy
 from predictor.registry import make_policy
 from training.replay import distinct_blocks, replay_single_tier, split_events, spread_ties
 
@@ -73,6 +74,7 @@ def replay_bench(trace: Path | None, capacity: float, policies: str) -> None:
     click.echo(f"{'policy':>12} {'accesses/s':>12} {'vs LRU pass':>12} {'hit ratio':>10}")
     profile_text = ""
     for policy_name in [p.strip() for p in policies.split(",") if p.strip()]:
+        policy: Policy
         if policy_name in ("lightgbm", "lstm"):
             from training.train import fit_policy_on_events
 
