@@ -168,9 +168,7 @@ def run_comparison(
             t0 = time.perf_counter()
             trained[name] = trainer(name, train, scale)
             report.training[name] = {"seconds": time.perf_counter() - t0}
-            size = getattr(trained[name], "model_size_bytes", None)
-            if callable(size):
-                report.training[name]["model_size_bytes"] = size()
+            report.training[name]["model_size_bytes"] = _saved_size_bytes(trained[name])
     future = (
         FutureAccesses(access_arrays(events))
         if "oracle" in config.policies
@@ -252,6 +250,15 @@ def run_comparison(
                 report.tiered_ttft[f"{r.policy}@{fraction:g}"] = r.ttft_ms
     report.seconds = time.perf_counter() - started
     return report
+
+
+def _saved_size_bytes(policy: Policy) -> int:
+    """Bytes of the files ``policy.save`` writes: what serving would load."""
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        directory = policy.save(Path(tmp) / "policy")
+        return sum(f.stat().st_size for f in directory.rglob("*") if f.is_file())
 
 
 def _peer_ratios(test: Sequence[BlocksAccessed], capacity: int) -> dict[str, Any]:
