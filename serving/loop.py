@@ -121,13 +121,37 @@ class Sidecar:
         ):
             return []
         self._last_prefetch_ms = now_ms
-        candidates = list(dict.fromkeys(b for chain in self.recent for b in chain))
+        recent = list(dict.fromkeys(b for chain in self.recent for b in chain))
+        candidates = [
+            b for b, t in zip(recent, self.placement.tiers_of(recent), strict=True) if t > 0
+        ]
+        if not candidates:
+            return []
+        # Score the candidates once per round; every target tier reuses the scores.
+        known = dict(
+            zip(
+                candidates,
+                self.score(np.asarray(candidates, dtype=np.uint64), now_ms).tolist(),
+                strict=True,
+            )
+        )
+
+        def score_round(blocks: np.ndarray, at_ms: int) -> np.ndarray:
+            keys = blocks.tolist()
+            out = np.fromiter(
+                (known.get(b, np.nan) for b in keys), dtype=np.float64, count=len(keys)
+            )
+            missing = np.isnan(out)
+            if missing.any():
+                out[missing] = self.score(blocks[missing], at_ms)
+            return out.astype(np.float32)
+
         moves: list[Move] = []
         # Fill each tier from the ones below it, slowest last: a block predicted to
         # return soon climbs as far as it outscores the residents it would displace.
         for target in range(min(self.prefetch_levels, self.placement.num_tiers - 1)):
             moves += self.planner.prefetch(
-                self.placement, candidates, self.score, now_ms, target, self.prefetch_admit
+                self.placement, candidates, score_round, now_ms, target, self.prefetch_admit
             )
         if moves:
             self._emit(None, moves, now_ms)

@@ -311,7 +311,7 @@ def replay(
 
 @click.command()
 @click.option(
-    "--requests", "num_requests", type=click.IntRange(min=500), default=6000, show_default=True
+    "--requests", "num_requests", type=click.IntRange(min=500), default=4000, show_default=True
 )
 @click.option("--seed", type=int, default=0, show_default=True)
 @click.option(
