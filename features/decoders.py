@@ -26,7 +26,7 @@ import json
 import os
 from collections import Counter
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import IO, Any
 
@@ -395,7 +395,7 @@ def read_trace(
                             f"(tolerance {backwards_tolerance_ms} ms)",
                             "ts_backwards",
                         )
-                    event = _with_ts(event, latest_ts)
+                    event = replace(event, ts_ms=latest_ts)
                 latest_ts = event.ts_ms
             except EventValidationError as exc:
                 log.add(where, exc, raw)
@@ -415,9 +415,3 @@ def _json_rows(fh: IO[str]) -> Iterator[tuple[int, Any, str]]:
                 EventValidationError("<line>", f"broken JSON: {exc}", "bad_json"),
                 line.rstrip("\n"),
             )
-
-
-def _with_ts(event: BlocksAccessed, ts_ms: int) -> BlocksAccessed:
-    from dataclasses import replace
-
-    return replace(event, ts_ms=ts_ms)

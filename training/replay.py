@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -161,8 +161,6 @@ def spread_ties(events: Sequence[BlocksAccessed]) -> list[BlocksAccessed]:
     queueing is not a burst of simultaneous arrivals and "next access after now" is
     well defined for the oracle. Every policy sees the same spread trace.
     """
-    from dataclasses import replace
-
     out: list[BlocksAccessed] = []
     n = len(events)
     i = 0
@@ -209,8 +207,6 @@ def time_scale_for_load(
 
 def rescale_time(events: Sequence[BlocksAccessed], factor: float) -> list[BlocksAccessed]:
     """Stretch (factor > 1) or compress the arrival process, keeping order."""
-    from dataclasses import replace
-
     if not events or factor == 1.0:
         return list(events)
     t0 = events[0].ts_ms
