@@ -42,6 +42,26 @@ class VllmStructs:
     AllBlocksCleared: type[msgspec.Struct]
     KVEventBatch: type[EventBatch]
 
+    def stored(
+        self,
+        hashes: list[Any],
+        parent: Any = None,
+        medium: str | None = "GPU",
+        tokens: bool = True,
+        block_size: int = 16,
+    ) -> msgspec.Struct:
+        """A ``BlockStored`` as vLLM fills it; ``tokens=False`` gives the tokenless form
+        offload tiers send (no token ids, block size 0)."""
+        return self.BlockStored(  # type: ignore[call-arg]
+            block_hashes=hashes,
+            parent_block_hash=parent,
+            token_ids=list(range(block_size * len(hashes))) if tokens else [],
+            block_size=block_size if tokens else 0,
+            lora_id=None,
+            medium=medium,
+            lora_name=None,
+        )
+
 
 def vllm_structs(array_like: bool) -> VllmStructs:
     """Declare vLLM's ``KVCacheEvent`` family with the given encoding."""

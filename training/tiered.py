@@ -223,7 +223,7 @@ def replay_tiered(
     token_hits = dict.fromkeys(names, 0)
     prefetched: dict[int, float] = {}  # block -> when speculatively promoted
     counters = {"prefetched": 0, "used": 0, "timely": 0, "wasted": 0}
-    state: dict[str, Any] = {"demand": [], "t_start": 0.0}
+    demand: list[Move] = []  # this request's promotions, booked once its start is known
     service_total = 0.0
     prompt_tokens = 0
     accesses = 0
@@ -231,7 +231,7 @@ def replay_tiered(
     def on_moves(event: BlocksAccessed | None, moves: list[Move], now_ms: int) -> None:
         for m in moves:
             if m.kind == "demand":
-                state["demand"].append(m)  # booked below, at arrival or at start
+                demand.append(m)  # booked below, at arrival or at start
             elif m.kind == "prefetch":
                 timing.book(m, now_ms)
                 if m.to_tier == 0:
@@ -262,7 +262,7 @@ def replay_tiered(
                 if timing.ready_at.get(block, 0.0) <= t_a:
                     counters["timely"] += 1
                 del prefetched[block]
-        state["demand"] = []
+        demand.clear()
         sidecar.handle(event)
         # The engine that frees first takes the request.
         free_at = heapq.heappop(engines)
@@ -273,7 +273,7 @@ def replay_tiered(
         first_miss = tiers.index(NOWHERE) if NOWHERE in tiers else len(tiers)
         used = set(blocks[:first_miss])
         ready = t_s
-        for m in state["demand"]:
+        for m in demand:
             done = timing.book(m, book_at)
             if m.block in used:
                 ready = max(ready, done)

@@ -38,16 +38,7 @@ pytestmark = [pytest.mark.integration, pytest.mark.timeout(180)]
 SHA = bytes(range(32))
 
 
-def stored(s: VllmStructs, hashes, parent=None, medium="GPU", tokens=True):
-    return s.BlockStored(
-        block_hashes=hashes,
-        parent_block_hash=parent,
-        token_ids=list(range(16 * len(hashes))) if tokens else [],
-        block_size=16 if tokens else 0,
-        lora_id=None,
-        medium=medium,
-        lora_name=None,
-    )
+stored = VllmStructs.stored
 
 
 def workload() -> list[bytes]:
