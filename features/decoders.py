@@ -140,6 +140,7 @@ def decode_canonical(obj: Any, request_id: str | None = None) -> BlocksAccessed:
         output_tokens=obj.get("output_tokens"),
         session_id=obj.get("session_id"),
         model=obj.get("model"),
+        engine_id=obj.get("engine_id"),
     )
 
 

@@ -122,8 +122,11 @@ def _check_int(name: str, value: Any, *, minimum: int = 0, optional: bool = Fals
 def block_hash_from(value: Any, field: str = "block_hashes") -> int:
     """Validate one block hash: an unsigned 64-bit int, or bytes folded to 64 bits.
 
-    vLLM's hashes are ints with the builtin hash and bytes with sha256 variants; the
-    first 8 bytes (big-endian) of a cryptographic hash are as good an id as the rest.
+    vLLM publishes ints by default and raw digests (bytes) when
+    ``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=0``; its int form is the digest read big-endian
+    with the low 64 bits kept (``maybe_convert_block_hash``), so bytes fold the same way
+    here and one engine's block gets one id whichever form it publishes
+    (``features.block_hash.block_id``).
     """
     if isinstance(value, bool):
         raise EventValidationError(field, f"expected an integer hash, got {value!r}", "bad_hash")
@@ -140,7 +143,7 @@ def block_hash_from(value: Any, field: str = "block_hashes") -> int:
         raw = bytes(value)
         if not raw:
             raise EventValidationError(field, "empty bytes hash", "bad_hash")
-        return int.from_bytes(raw[:8].rjust(8, b"\0"), "big")
+        return int.from_bytes(raw, "big") & MAX_BLOCK_HASH
     raise EventValidationError(
         field, f"expected an integer hash, got {type(value).__name__} {value!r:.40}", "bad_hash"
     )
@@ -169,6 +172,9 @@ class BlocksAccessed:
     output_tokens: int | None = None
     session_id: str | None = None
     model: str | None = None
+    engine_id: str | None = None
+    """The engine (instance) the request was routed to, when the router knows: access
+    events join that engine's residency events by (engine_id, block hash)."""
 
     @classmethod
     def validated(
@@ -182,11 +188,12 @@ class BlocksAccessed:
         output_tokens: Any = None,
         session_id: Any = None,
         model: Any = None,
+        engine_id: Any = None,
     ) -> BlocksAccessed:
         """Build an event from untrusted values; raises ``EventValidationError``."""
         if not isinstance(request_id, str) or not request_id:
             raise EventValidationError("request_id", "must be a non-empty string", "bad_type")
-        for name, value in (("session_id", session_id), ("model", model)):
+        for name, value in (("session_id", session_id), ("model", model), ("engine_id", engine_id)):
             if value is not None and not isinstance(value, str):
                 raise EventValidationError(name, "must be a string when given", "bad_type")
         block_size = _check_int("block_size_tokens", block_size_tokens, minimum=1)
@@ -202,6 +209,7 @@ class BlocksAccessed:
             output_tokens=_check_int("output_tokens", output_tokens, optional=True),
             session_id=session_id,
             model=model,
+            engine_id=engine_id,
         )
 
     def to_dict(self) -> dict[str, Any]:
@@ -213,7 +221,7 @@ class BlocksAccessed:
             "block_hashes": list(self.block_hashes),
             "block_size_tokens": self.block_size_tokens,
         }
-        for name in ("input_tokens", "output_tokens", "session_id", "model"):
+        for name in ("input_tokens", "output_tokens", "session_id", "model", "engine_id"):
             value = getattr(self, name)
             if value is not None:
                 out[name] = value

@@ -97,7 +97,8 @@ def test_tier_order_is_fastest_first():
 
 
 def test_bytes_and_signed_hashes_fold_to_unsigned_64_bits():
-    assert block_hash_from(b"\x00" * 7 + b"\x05" + b"ignored") == 5
+    # vLLM's int form of a digest: big-endian, low 64 bits (maybe_convert_block_hash).
+    assert block_hash_from(b"ignored" + b"\x00" * 7 + b"\x05") == 5
     assert block_hash_from(b"\x01") == 1
     assert block_hash_from(-1) == (1 << 64) - 1
     with pytest.raises(EventValidationError):
