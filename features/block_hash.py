@@ -251,19 +251,137 @@ def request_blocks_accessed(
     model: str | None = None,
     output_tokens: int | None = None,
 ) -> BlocksAccessed:
-    """The access event of one request, with the engine's block ids. A prompt shorter
-    than one block reads no cached block: the event has no block hashes."""
-    ids = engine_block_ids(token_ids, params)
+    """The access event of one request, with the engine's block ids (and its token
+    ids). A prompt shorter than one block reads no cached block: no block hashes."""
+    tokens = check_token_ids(token_ids)
+    ids = engine_block_ids(tokens, params)
     return BlocksAccessed.validated(
         ts_ms=ts_ms,
         request_id=request_id,
         block_hashes=ids,
         block_size_tokens=params.block_size_tokens,
-        input_tokens=len(token_ids),
+        input_tokens=len(tokens),
         output_tokens=output_tokens,
         session_id=session_id,
         model=model,
         engine_id=engine_id,
+        token_ids=tuple(tokens),
+    )
+
+
+REQUEST_EVENT_FIELDS = (
+    "request_id",
+    "ts_ms",
+    "ts",
+    "engine_id",
+    "token_ids",
+    "block_size",
+    "hash_algo",
+    "none_hash_seed",
+    "lora_name",
+    "lora_path",
+    "cache_salt",
+    "mm_items",
+    "session_id",
+    "model",
+    "output_tokens",
+)
+"""Fields of a request event (JSON): what a router publishes per prompt."""
+
+MAX_MM_ITEMS = 4096
+"""Most multimodal items one request may carry."""
+
+
+def _mm_items(value: Any) -> tuple[MultiModalItem, ...]:
+    if value is None:
+        return ()
+    if not isinstance(value, list) or len(value) > MAX_MM_ITEMS:
+        raise EventValidationError(
+            "mm_items", f"expected a list of at most {MAX_MM_ITEMS} objects", "bad_type"
+        )
+    items = []
+    for raw in value:
+        if not isinstance(raw, dict):
+            raise EventValidationError(
+                "mm_items", "each item is {identifier, offset, length}", "bad_type"
+            )
+        identifier, offset, length = raw.get("identifier"), raw.get("offset"), raw.get("length")
+        if (
+            not isinstance(identifier, str)
+            or isinstance(offset, bool)
+            or isinstance(length, bool)
+            or not isinstance(offset, int)
+            or not isinstance(length, int)
+            or offset < 0
+        ):
+            raise EventValidationError(
+                "mm_items",
+                "each item is {identifier: str, offset: int >= 0, length: int >= 1}",
+                "bad_type",
+            )
+        items.append(MultiModalItem(identifier, offset, length))
+    return tuple(items)
+
+
+def decode_request_event(
+    obj: Any, *, default_request_id: str | None = None, default_ts_ms: int | None = None
+) -> BlocksAccessed:
+    """A request event (a parsed JSON object) to ``BlocksAccessed``, hashing its tokens::
+
+        {"request_id": "r1", "ts_ms": 1700000000000, "engine_id": "vllm-0",
+         "token_ids": [...], "block_size": 16, "hash_algo": "sha256",
+         "lora_name": null, "lora_path": null, "cache_salt": null,
+         "mm_items": [{"identifier": "...", "offset": 3, "length": 576}]}
+
+    ``ts`` (seconds, as vLLM stamps its batches) may stand in for ``ts_ms``. The
+    defaults fill a missing request id or time (the HTTP intake uses a generated id and
+    the wall clock); without them both are required. Unknown fields are refused so a
+    misspelt extra key (which would silently change every hash) fails loudly.
+    """
+    if not isinstance(obj, dict):
+        raise EventValidationError(
+            "<request>", f"expected a JSON object, got {type(obj).__name__}", "not_object"
+        )
+    unknown = sorted(set(obj) - set(REQUEST_EVENT_FIELDS) - {"schema_version"})
+    if unknown:
+        raise EventValidationError(
+            unknown[0],
+            f"unknown request field; known: {', '.join(REQUEST_EVENT_FIELDS)}",
+            "unknown_field",
+        )
+    if "token_ids" not in obj:
+        raise EventValidationError("token_ids", "is missing", "missing_field")
+    ts_ms = obj.get("ts_ms")
+    if ts_ms is None and obj.get("ts") is not None:
+        ts = obj["ts"]
+        if isinstance(ts, bool) or not isinstance(ts, (int, float)) or not 0 <= ts < 1e12:
+            raise EventValidationError("ts", f"expected seconds >= 0, got {ts!r:.30}", "bad_type")
+        ts_ms = int(round(ts * 1000))
+    if ts_ms is None:
+        ts_ms = default_ts_ms
+    if ts_ms is None:
+        raise EventValidationError("ts_ms", "is missing (or give ts in seconds)", "missing_field")
+    request_id = obj.get("request_id") or default_request_id
+    if request_id is None:
+        raise EventValidationError("request_id", "is missing", "missing_field")
+    params = HashParams(
+        block_size_tokens=obj.get("block_size", DEFAULT_BLOCK_SIZE_TOKENS),
+        hash_algo=obj.get("hash_algo") or "sha256",
+        lora_name=obj.get("lora_name"),
+        lora_path=obj.get("lora_path"),
+        cache_salt=obj.get("cache_salt"),
+        mm_items=_mm_items(obj.get("mm_items")),
+        none_hash_seed=obj.get("none_hash_seed") or DEFAULT_NONE_HASH_SEED,
+    )
+    return request_blocks_accessed(
+        obj["token_ids"],
+        params,
+        request_id=request_id,
+        ts_ms=ts_ms,
+        engine_id=obj.get("engine_id"),
+        session_id=obj.get("session_id"),
+        model=obj.get("model"),
+        output_tokens=obj.get("output_tokens"),
     )
 
 

@@ -3,7 +3,8 @@
 Primitives:
 
 - ``decode_mooncake(obj, request_id)`` / ``decode_canonical(obj)``: one parsed JSON
-  object to ``BlocksAccessed``.
+  object to ``BlocksAccessed``; ``decode_access_object`` also takes request events
+  (``token_ids`` instead of ``block_hashes``: hashed as the engine does).
 - ``decode_kv_event_batch(payload)``: a vLLM/SGLang ``KVEventBatch`` msgpack payload
   (tagged-map or positional-array encoding) to residency events
   (``kv_events_from_batch`` for a batch already decoded from msgpack).
@@ -32,6 +33,7 @@ from typing import IO, Any
 
 import msgspec
 
+from features.block_hash import decode_request_event
 from features.events import (
     AllBlocksCleared,
     BlockRemoved,
@@ -145,9 +147,13 @@ def decode_canonical(obj: Any, request_id: str | None = None) -> BlocksAccessed:
 
 
 def decode_access_object(obj: Any, request_id: str) -> BlocksAccessed:
-    """A parsed JSON object in either access form (canonical or Mooncake)."""
-    if isinstance(obj, dict) and "hash_ids" in obj and "block_hashes" not in obj:
-        return decode_mooncake(obj, request_id)
+    """A parsed JSON object in any access form: canonical, Mooncake, or a request event
+    (token ids, hashed here into the engine's block hashes: ``features.block_hash``)."""
+    if isinstance(obj, dict) and "block_hashes" not in obj:
+        if "hash_ids" in obj:
+            return decode_mooncake(obj, request_id)
+        if "token_ids" in obj:
+            return decode_request_event(obj, default_request_id=request_id or None)
     return decode_canonical(obj, request_id)
 
 

@@ -175,6 +175,9 @@ class BlocksAccessed:
     engine_id: str | None = None
     """The engine (instance) the request was routed to, when the router knows: access
     events join that engine's residency events by (engine_id, block hash)."""
+    token_ids: tuple[int, ...] | None = None
+    """The prompt's token ids when the event was made from them (request events):
+    cache layers that address KV by tokens (LMCache) need them to act on a block."""
 
     @classmethod
     def validated(
@@ -189,8 +192,10 @@ class BlocksAccessed:
         session_id: Any = None,
         model: Any = None,
         engine_id: Any = None,
+        token_ids: tuple[int, ...] | None = None,
     ) -> BlocksAccessed:
-        """Build an event from untrusted values; raises ``EventValidationError``."""
+        """Build an event from untrusted values; raises ``EventValidationError``.
+        ``token_ids`` must already be checked (``features.block_hash.check_token_ids``)."""
         if not isinstance(request_id, str) or not request_id:
             raise EventValidationError("request_id", "must be a non-empty string", "bad_type")
         for name, value in (("session_id", session_id), ("model", model), ("engine_id", engine_id)):
@@ -210,6 +215,7 @@ class BlocksAccessed:
             session_id=session_id,
             model=model,
             engine_id=engine_id,
+            token_ids=token_ids,
         )
 
     def to_dict(self) -> dict[str, Any]:
@@ -225,6 +231,8 @@ class BlocksAccessed:
             value = getattr(self, name)
             if value is not None:
                 out[name] = value
+        if self.token_ids is not None:
+            out["token_ids"] = list(self.token_ids)
         return out
 
 

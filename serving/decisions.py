@@ -42,6 +42,8 @@ from typing import Any, Protocol, runtime_checkable
 import msgspec
 
 from executor.decision import Decision
+from executor.kvhints import ack_status_of
+from executor.kvhints import decision_format as decision_format_named
 from features.events import BlocksAccessed
 from serving.placement import NOWHERE
 from serving.planner import Move
@@ -167,11 +169,15 @@ class DecisionMaker:
 
 
 class JsonlDecisionSink:
-    """Decisions appended to a file, one JSON object per line. ``flush`` writes the
-    buffer to the OS (and fsyncs when ``fsync``), so a commit after it survives a
-    process crash (and, with ``fsync``, a machine crash)."""
+    """Decisions appended to a file, one JSON object per line (``decision_format``
+    ``native``: a decision a line; ``kvhints``: a hint envelope a line). ``flush`` writes
+    the buffer to the OS (and fsyncs when ``fsync``), so a commit after it survives a
+    process crash (and, with ``fsync``, a machine crash). A file gives no acks."""
 
-    def __init__(self, path: str | os.PathLike[str], *, fsync: bool = False) -> None:
+    def __init__(
+        self, path: str | os.PathLike[str], *, fsync: bool = False, decision_format: str = "native"
+    ) -> None:
+        self.format = decision_format_named(decision_format)
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._file = self.path.open("ab")
@@ -180,8 +186,11 @@ class JsonlDecisionSink:
         self.num_emitted = 0
 
     def emit(self, decisions: Sequence[Decision]) -> int:
-        # Decision is a slots dataclass: msgspec encodes it field by field, in order.
-        self._file.write(self._encoder.encode_lines(decisions))
+        if self.format.name == "native":
+            # Decision is a slots dataclass: msgspec encodes it field by field, in order.
+            self._file.write(self._encoder.encode_lines(decisions))
+        else:
+            self._file.write(b"".join(value + b"\n" for _, value in self.format.records(decisions)))
         self.num_emitted += len(decisions)
         return len(decisions)
 
@@ -220,6 +229,8 @@ class ExecutorSink:
         self.outcomes: Counter[tuple[str, str]] = Counter()
         """(action, status) -> count; action "store" counts engine stores."""
         self.skip_reasons: Counter[str] = Counter()
+        self.acks: Counter[str] = Counter()
+        """Outcomes in the hint vocabulary (accepted, missing, rejected ...)."""
         self._sim = not hasattr(executor, "apply_one")
 
     def place_store(self, block: int, tier: str, now_ms: int) -> None:
@@ -243,6 +254,7 @@ class ExecutorSink:
         outcome = self.executor.apply(d) if self._sim else self.executor.apply_one(d)
         status = str(getattr(outcome, "status", "applied"))
         self.outcomes[(d.action, status)] += 1
+        self.acks[ack_status_of(status, str(getattr(outcome, "reason", "")))] += 1
         if status != "applied":
             self.skip_reasons[_reason_kind(getattr(outcome, "reason", ""))] += 1
 
@@ -342,13 +354,27 @@ class NullSink:
         """Nothing to release."""
 
 
-def open_sink(endpoint: Endpoint, **kafka_options: Any) -> DecisionSink:
-    """A sink for one parsed ``--decisions`` target. Kafka is imported only here."""
+def open_sink(
+    endpoint: Endpoint,
+    *,
+    decision_format: str = "native",
+    ack_topic: str | None = None,
+    **kafka_options: Any,
+) -> DecisionSink:
+    """A sink for one parsed ``--decisions`` target, writing ``decision_format``
+    (``native`` | ``kvhints``). Kafka sinks read acks from ``ack_topic`` when given.
+    Kafka is imported only here."""
     if endpoint.scheme == "file":
-        return JsonlDecisionSink(endpoint.target)
+        return JsonlDecisionSink(endpoint.target, decision_format=decision_format)
     if endpoint.scheme == "kafka":
         from serving.kafka_io import KafkaDecisionSink, ensure_topics
 
-        ensure_topics(endpoint.target, {endpoint.topic: 1})
-        return KafkaDecisionSink(endpoint.target, endpoint.topic, **kafka_options)
+        ensure_topics(endpoint.target, {endpoint.topic: 1, **({ack_topic: 1} if ack_topic else {})})
+        return KafkaDecisionSink(
+            endpoint.target,
+            endpoint.topic,
+            decision_format=decision_format,
+            ack_topic=ack_topic,
+            **kafka_options,
+        )
     raise ValueError(f"no decision sink for {endpoint.scheme!r}; use kafka:// or file:")

@@ -8,6 +8,10 @@ Endpoints (bound to 127.0.0.1 unless configured otherwise):
 - ``GET /readyz``: 200 once the source is connected and the first poll returned, 503
   before and while shutting down.
 - ``GET /metrics``: Prometheus text from the sidecar's own ``CollectorRegistry``.
+- ``POST`` routes given by the service (``posts``): ``/v1/requests`` takes request
+  events (``serving.request_intake``). Bodies are bounded (``max_body_bytes``: 413
+  above it, 411 without a length) and a slow client times out instead of holding a
+  thread.
 
 Metrics (``SidecarMetrics``): counters are read from the live objects at scrape time
 (the loop keeps plain ints and Counters and pays nothing per event for Prometheus);
@@ -21,6 +25,9 @@ kvwarm_decisions_total{action,tier}     decisions emitted (tier: to_tier, or
                                         from_tier for evict)
 kvwarm_moves_total{kind}                planner moves (store, demand, ...)
 kvwarm_executor_outcomes_total{...}     decisions applied/skipped/failed
+kvwarm_hint_acks_total{status}          acknowledgements read back from sinks
+                                        (accepted, clipped, deferred, rejected,
+                                        missing; malformed)
 kvwarm_scoring_seconds                  histogram of one policy.score call
 kvwarm_event_to_decision_seconds        histogram: poll -> decisions delivered
 kvwarm_lag_seconds                      wall clock - newest event's ts_ms
@@ -50,6 +57,13 @@ log = logging.getLogger(__name__)
 CONTENT_TYPE_METRICS = "text/plain; version=0.0.4; charset=utf-8"
 
 SCORING_BUCKETS_S = (1e-5, 3e-5, 1e-4, 3e-4, 1e-3, 3e-3, 0.01, 0.03, 0.1, 0.3, 1.0)
+PostHandler = Callable[[bytes], tuple[int, dict[str, Any]]]
+"""A POST route: request body -> (HTTP status, JSON reply)."""
+
+DEFAULT_MAX_BODY_BYTES = 16 << 20
+CLIENT_TIMEOUT_S = 30.0
+"""A client that stalls mid-request for this long is dropped."""
+
 LATENCY_BUCKETS_S = (1e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 5.0)
 
 
@@ -88,7 +102,8 @@ class SidecarMetrics:
         self.registry.register(_LiveCollector(self))
 
     def bind(self, **parts: Any) -> None:
-        """sidecar=, source=, decision_maker=, executor_sink=, model_manager=."""
+        """sidecar=, source=, decision_maker=, executor_sink=, model_manager=, acks= (a
+        callable returning status -> count)."""
         self.parts.update({k: v for k, v in parts.items() if v is not None})
 
     def observe_batch_latency(self, seconds: float, num_events: int) -> None:
@@ -156,6 +171,16 @@ class _LiveCollector(Collector):
             for (action, status), n in sorted(_copy(sink.outcomes).items()):
                 out.add_metric([action, status], n)
             yield out
+        acks = parts.get("acks")
+        if acks is not None:
+            family = CounterMetricFamily(
+                "kvwarm_hint_acks",
+                "Acknowledgements of emitted decisions, by status.",
+                labels=["status"],
+            )
+            for status, n in sorted(_copy(acks()).items()):
+                family.add_metric([status], n)
+            yield family
         manager = parts.get("model_manager")
         if manager is not None:
             s = manager.status
@@ -215,9 +240,11 @@ class HealthServer:
         *,
         host: str = "127.0.0.1",
         port: int = 9464,
+        posts: Mapping[str, PostHandler] | None = None,
+        max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
     ) -> None:
         self.metrics = metrics
-        handler = _handler(metrics, health, ready)
+        handler = _handler(metrics, health, ready, dict(posts or {}), max_body_bytes)
         self._server = ThreadingHTTPServer((host, port), handler)
         self._server.daemon_threads = True
         self.host = host
@@ -244,8 +271,31 @@ def _handler(
     metrics: SidecarMetrics,
     health: Callable[[], dict[str, Any]],
     ready: Callable[[], bool],
+    posts: dict[str, PostHandler],
+    max_body_bytes: int,
 ) -> type[BaseHTTPRequestHandler]:
     class Handler(BaseHTTPRequestHandler):
+        timeout = CLIENT_TIMEOUT_S
+
+        def do_POST(self) -> None:  # noqa: N802 - http.server's name
+            route = posts.get(self.path.split("?", 1)[0])
+            if route is None:
+                self.close_connection = True
+                self._json(404, {"error": f"no POST route; try {', '.join(posts) or 'none'}"})
+                return
+            try:
+                length = int(self.headers.get("Content-Length", ""))
+            except ValueError:
+                self.close_connection = True
+                self._json(411, {"error": "Content-Length required (no chunked bodies)"})
+                return
+            if not 0 <= length <= max_body_bytes:
+                self.close_connection = True  # the body is not read: drop the connection
+                self._json(413, {"error": f"body of {length} bytes; at most {max_body_bytes}"})
+                return
+            code, reply = route(self.rfile.read(length))
+            self._json(code, reply)
+
         def do_GET(self) -> None:  # noqa: N802 - http.server's name
             path = self.path.split("?", 1)[0]
             if path == "/metrics":

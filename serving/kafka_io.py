@@ -44,6 +44,9 @@ from kafka.structs import OffsetAndMetadata, TopicPartition
 from pydantic import Field, SecretStr
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from executor.decision import Decision
+from executor.kvhints import HintError, parse_ack
+from executor.kvhints import decision_format as decision_format_named
 from features.decoders import decode_message, read_trace
 from features.events import BlocksAccessed, Event, EventValidationError
 
@@ -579,10 +582,16 @@ class SupportsToDict(Protocol):
 
 
 class KafkaDecisionSink(_Producer):
-    """Decisions to a Kafka topic: key = block hash (decimal), value = decision JSON.
+    """Decisions to a Kafka topic. ``decision_format`` ``native``: key = block hash
+    (decimal), value = decision JSON; ``kvhints``: key = message id, value = a hint
+    envelope (``executor.kvhints``).
 
     Accepts dicts or objects with ``to_dict()``. ``emit`` only queues; ``flush`` is
     where a lost record surfaces, so the loop calls it before ``source.commit()``.
+
+    With ``ack_topic``, ``flush`` also reads the acknowledgements executors or engines
+    published there (``{message_id, results: [{action_id, status}]}``) and counts them
+    in ``acks`` by status; a malformed one counts as ``malformed``.
     """
 
     def __init__(
@@ -594,25 +603,81 @@ class KafkaDecisionSink(_Producer):
         linger_ms: int = 5,
         security: KafkaSecurity | None = None,
         options: ConnectOptions = ConnectOptions(),
+        decision_format: str = "native",
+        ack_topic: str | None = None,
+        ack_group_id: str = "kvwarm-acks",
     ) -> None:
+        self.format = decision_format_named(decision_format)  # fails before connecting on a typo
         super().__init__(
             "decision producer", bootstrap, topic,
             client_id=client_id, linger_ms=linger_ms, security=security, options=options,
         )  # fmt: skip
+        self.acks: Counter[str] = Counter()
+        self._ack_consumer: KafkaConsumer | None = None
+        if ack_topic is not None:
+            cfg = {
+                **_client_config(bootstrap, security, options, client_id + "-acks"),
+                "group_id": ack_group_id,
+                "auto_offset_reset": "earliest",
+                "enable_auto_commit": True,
+                "metadata_max_age_ms": 5_000,
+            }
+            self._ack_consumer = _connect(
+                "ack consumer", bootstrap, options, lambda: KafkaConsumer(**cfg)
+            )
+            self._ack_consumer.subscribe([ack_topic])
 
     def emit(self, decisions: Iterable[Mapping[str, Any] | SupportsToDict]) -> int:
         """Queue decisions for sending; returns how many."""
-        count = 0
-        for decision in decisions:
-            record = decision if isinstance(decision, Mapping) else decision.to_dict()
-            block_hash = record.get("block_hash")
-            if block_hash is None:
-                raise ValueError(
-                    f"a decision needs a block_hash to key it by, got {dict(record)!r:.200}"
-                )
-            self._send(str(block_hash).encode(), msgspec.json.encode(record))
-            count += 1
-        return count
+        if self.format.name == "native":
+            count = 0
+            for decision in decisions:
+                record = decision if isinstance(decision, Mapping) else decision.to_dict()
+                block_hash = record.get("block_hash")
+                if block_hash is None:
+                    raise ValueError(
+                        f"a decision needs a block_hash to key it by, got {dict(record)!r:.200}"
+                    )
+                self._send(str(block_hash).encode(), msgspec.json.encode(record))
+                count += 1
+            return count
+        typed = [
+            d if isinstance(d, Decision) else Decision.from_dict(dict(d))  # type: ignore[arg-type]
+            for d in decisions
+        ]
+        for key, value in self.format.records(typed):
+            self._send(key, value)
+        return len(typed)
+
+    def read_acks(self, timeout_ms: int = 0) -> int:
+        """Count the acknowledgements waiting on the ack topic; returns how many results."""
+        if self._ack_consumer is None:
+            return 0
+        n = 0
+        for records in self._ack_consumer.poll(timeout_ms=timeout_ms).values():
+            for record in records:
+                try:
+                    pairs = parse_ack(msgspec.json.decode(record.value or b""))
+                except (HintError, msgspec.DecodeError) as exc:
+                    log.warning("malformed ack at offset %s: %s", record.offset, exc)
+                    self.acks["malformed"] += 1
+                    continue
+                for _, status in pairs:
+                    self.acks[status] += 1
+                n += len(pairs)
+        return n
+
+    def flush(self, timeout_s: float | None = None) -> None:
+        super().flush(timeout_s)
+        self.read_acks()
+
+    def close(self, timeout_s: float = 30) -> None:
+        try:
+            super().close(timeout_s)
+        finally:
+            if self._ack_consumer is not None:
+                self._ack_consumer.close()
+                self._ack_consumer = None
 
     def __enter__(self) -> KafkaDecisionSink:
         return self

@@ -48,6 +48,12 @@ from serving.http import HealthServer, SidecarMetrics
 from serving.loop import LoopStats, Sidecar
 from serving.model_lifecycle import ModelManager
 from serving.placement import Placement
+from serving.request_intake import (
+    MAX_REQUEST_BODY_BYTES,
+    REQUESTS_PATH,
+    IntakeSource,
+    RequestIntake,
+)
 from serving.planner import Planner
 from serving.settings import Endpoint, SidecarSettings, load_settings
 from serving.sources import EventSource, FileSource
@@ -253,7 +259,14 @@ class Service:
             )
             sinks.append(self.executor_sink)
         for endpoint in settings.decision_endpoints:
-            sinks.append(open_sink(endpoint))
+            sinks.append(
+                open_sink(
+                    endpoint,
+                    decision_format=settings.decisions_format,
+                    ack_topic=settings.decisions_ack_topic,
+                )
+            )
+        self._ack_sinks = [s for s in sinks if hasattr(s, "acks")]
         self.sink: DecisionSink = (
             NullSink() if not sinks else sinks[0] if len(sinks) == 1 else FanOutSink(sinks)
         )
@@ -268,8 +281,16 @@ class Service:
         self.sidecar.hooks.append(self._track_now)
         self.sidecar.hooks.append(self.decisions)
 
+        self.intake: RequestIntake | None = None
+        inner = source or open_source(settings)
+        if settings.http_enabled and settings.request_intake:
+            self.intake = RequestIntake()
+        if self.intake is not None or settings.engine_id is not None:
+            inner = IntakeSource(
+                self.intake or RequestIntake(max_pending=0), inner, engine_id=settings.engine_id
+            )
         self.source = MeteredSource(
-            source or open_source(settings),
+            inner,
             self.metrics,
             settings.target_batch_latency_ms,
             wall_clock_lag=settings.clock == "wall",
@@ -280,6 +301,7 @@ class Service:
             decision_maker=self.decisions,
             executor_sink=self.executor_sink,
             model_manager=self.models,
+            acks=self.acks,
         )
         self.http: HealthServer | None = None
 
@@ -306,6 +328,14 @@ class Service:
             )
             return names, caps
         return s.tier_names, s.tier_capacities_blocks
+
+    def acks(self) -> dict[str, int]:
+        """Acknowledgements counted by every sink that reads them, by status."""
+        total: dict[str, int] = {}
+        for sink in self._ack_sinks:
+            for status, n in dict(sink.acks).items():
+                total[status] = total.get(status, 0) + n
+        return total
 
     def _now_for_executor(self) -> float:
         return float(self.now_ms if self.clock is None else wall_ms())
@@ -336,8 +366,15 @@ class Service:
     def start(self) -> Service:
         s = self.settings
         if s.http_enabled:
+            posts = {REQUESTS_PATH: self.intake.submit} if self.intake is not None else {}
             self.http = HealthServer(
-                self.metrics, self.health, self.ready, host=s.http_host, port=s.http_port
+                self.metrics,
+                self.health,
+                self.ready,
+                host=s.http_host,
+                port=s.http_port,
+                posts=posts,
+                max_body_bytes=MAX_REQUEST_BODY_BYTES,
             ).start()
         self.models.start_polling(s.model_poll_interval_s)
         return self
@@ -380,6 +417,12 @@ class Service:
     multiple=True,
     help="Also publish decisions here: kafka://HOST:PORT/TOPIC | file:PATH (repeatable).",
 )
+@click.option(
+    "--decisions-format",
+    type=click.Choice(["native", "kvhints"]),
+    help="Records on every decisions sink: native decision JSON or KV hint envelopes.",
+)
+@click.option("--engine-id", help="Serve this engine only (events naming others are dropped).")
 @click.option(
     "--config",
     "config_path",

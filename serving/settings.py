@@ -153,6 +153,24 @@ class SidecarSettings(BaseSettings):
         (),
         description=f"Where decisions are published besides the executor, any number of {SINK_FORMS}.",
     )
+    decisions_format: Literal["native", "kvhints"] = Field(
+        "native",
+        description="Record format of every decisions sink: kvwarm's own decision JSON, or "
+        "the KV hint envelope engines accept (executor/kvhints.py).",
+    )
+    decisions_ack_topic: str | None = Field(
+        None,
+        min_length=1,
+        description="Kafka topic where executors/engines acknowledge hints; Kafka decision "
+        "sinks read and count them (kvwarm_hint_acks_total).",
+    )
+    engine_id: str | None = Field(
+        None,
+        min_length=1,
+        max_length=200,
+        description="The engine this sidecar serves: events naming another engine are "
+        "dropped (counted), so one engine's residency and accesses meet in one view.",
+    )
     rejects_path: Path | None = Field(
         None, description="File source and ZMQ: where malformed input is written (JSONL)."
     )
@@ -261,6 +279,9 @@ class SidecarSettings(BaseSettings):
         description="Address the HTTP endpoints bind to; loopback unless exposed on purpose.",
     )
     http_port: int = Field(9464, ge=0, le=65535, description="HTTP port (0: any free port).")
+    request_intake: bool = Field(
+        True, description="Take request events on POST /v1/requests (needs http_enabled)."
+    )
 
     @field_validator("source")
     @classmethod
