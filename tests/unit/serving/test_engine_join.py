@@ -21,11 +21,11 @@ from typing import Any
 import jsonschema
 import pytest
 
+from devtools.vllm_engine import TAGGED, EnginePublisher
 from executor.kvhints import SCHEMA_PATH, decisions_from_record
 from serving.request_intake import MAX_REQUEST_BODY_BYTES, IntakeSource, RequestIntake
 from serving.serve_cli import Service
 from serving.settings import load_settings
-from serving.zmq_bench import TAGGED, EnginePublisher
 
 pytestmark = pytest.mark.timeout(120)
 
