@@ -203,18 +203,21 @@ def make_ack(message_id: str, results: Sequence[tuple[str, str, str]]) -> dict[s
     }
 
 
-_MISSING_REASONS = ("not cached", "not found", "block vanished", "missing", "no tokens")
+_REJECTED = ("stale", "refused_full", "refused_pinned", "refused_budget", "expired", "failed")
+_MISSING_REASONS = ("not cached", "not found", "block vanished")
 _ACCEPTED_REASONS = ("already there", "duplicate decision id")
 
 
 def ack_status_of(status: str, reason: str = "") -> str:
-    """An executor outcome (``applied | skipped | failed`` and its reason) as the ack
-    status an engine would send, so every sink counts acks in one vocabulary."""
-    if status == "applied" or reason.startswith(_ACCEPTED_REASONS):
-        return "accepted"
-    if status == "clipped" or status in ACK_STATUSES:
+    """An executor outcome (``executor`` status and reason) as the ack status an engine
+    would send, so every sink counts acks in one vocabulary: applied or a repeat is
+    ``accepted`` (``clipped`` when the reason says only part was done), a block in no
+    tier is ``missing``, every refusal and failure is ``rejected``."""
+    if status in ACK_STATUSES:
         return status
-    if reason.startswith(_MISSING_REASONS):
+    if status in ("applied", "duplicate") or reason.startswith(_ACCEPTED_REASONS):
+        return "clipped" if reason.startswith("clipped") else "accepted"
+    if status == "missing" or reason.startswith(_MISSING_REASONS):
         return "missing"
     return "rejected"
 

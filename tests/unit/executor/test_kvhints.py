@@ -172,6 +172,11 @@ def test_acks_round_trip_and_refuse_unknown_statuses() -> None:
         ("skipped", "no room in hbm", "rejected"),
         ("failed", "write to dram failed: disk full", "rejected"),
         ("clipped", "", "clipped"),
+        ("applied", "clipped: warmed into L1", "clipped"),
+        ("duplicate", "", "accepted"),
+        ("missing", "", "missing"),
+        ("refused_full", "no room", "rejected"),
+        ("expired", "deadline passed", "rejected"),
     ],
 )
 def test_executor_outcomes_map_onto_ack_statuses(status: str, reason: str, ack: str) -> None:

@@ -1,0 +1,1 @@
+"""Executors over real cache layers (LMCache), behind the ``Executor`` protocol."""
