@@ -47,7 +47,7 @@ from features.events import (
     EventValidationError,
     ResidencyEvent,
 )
-from serving.kafka_io import DLQ_SUFFIX, HEADER_ERROR, HEADER_REASON
+from serving.kafka_io import DLQ_SUFFIX, HEADER_ENGINE, HEADER_ERROR, HEADER_REASON
 from serving.zmq_source import (
     DEFAULT_REPLAY_TIMEOUT_MS,
     EngineBatch,
@@ -57,7 +57,6 @@ from serving.zmq_source import (
 
 logger = logging.getLogger(__name__)
 
-HEADER_ENGINE = "kvwarm.engine"
 HEADER_SEQ = "kvwarm.seq"
 HEADER_EVENT_INDEX = "kvwarm.event_index"
 HEADER_SYNTHETIC = "kvwarm.synthetic"

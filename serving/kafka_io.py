@@ -23,6 +23,7 @@ Every client connects with bounded retries; when no broker answers,
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections import Counter, deque
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -56,6 +57,9 @@ DLQ_SUFFIX = ".dlq"
 """Default dead-letter topic of a source topic ``T``: ``T.dlq``."""
 
 # Header names on dead letters (values are UTF-8 bytes).
+HEADER_ENGINE = "kvwarm.engine"
+"""Record header naming the engine a residency event came from (set by the ZMQ bridge);
+the source decodes the event with that engine id, so it joins that engine's requests."""
 HEADER_REASON = "kvwarm.dlq.reason"
 HEADER_ERROR = "kvwarm.dlq.error"
 HEADER_SOURCE_TOPIC = "kvwarm.dlq.source.topic"
@@ -399,7 +403,10 @@ class KafkaEventSource:
         try:
             if record.value is None:
                 raise EventValidationError("<value>", "message has no value (tombstone)", "empty")
-            events = decode_message(record.value, request_id=request_id)
+            engine = next((v for k, v in record.headers or () if k == HEADER_ENGINE), b"")
+            events = decode_message(
+                record.value, request_id=request_id, engine_id=engine.decode(errors="replace")
+            )
         except EventValidationError as exc:
             self._dead_letter(record, exc.reason, str(exc))
         except Exception as exc:  # a decoder bug must not stop the stream either
@@ -589,9 +596,9 @@ class KafkaDecisionSink(_Producer):
     Accepts dicts or objects with ``to_dict()``. ``emit`` only queues; ``flush`` is
     where a lost record surfaces, so the loop calls it before ``source.commit()``.
 
-    With ``ack_topic``, ``flush`` also reads the acknowledgements executors or engines
-    published there (``{message_id, results: [{action_id, status}]}``) and counts them
-    in ``acks`` by status; a malformed one counts as ``malformed``.
+    With ``ack_topic``, a thread reads the acknowledgements executors or engines publish
+    there (``{message_id, results: [{action_id, status}]}``) and counts them in ``acks``
+    by status; a malformed one counts as ``malformed``.
     """
 
     def __init__(
@@ -613,7 +620,8 @@ class KafkaDecisionSink(_Producer):
             client_id=client_id, linger_ms=linger_ms, security=security, options=options,
         )  # fmt: skip
         self.acks: Counter[str] = Counter()
-        self._ack_consumer: KafkaConsumer | None = None
+        self._ack_stop = threading.Event()
+        self._ack_thread: threading.Thread | None = None
         if ack_topic is not None:
             cfg = {
                 **_client_config(bootstrap, security, options, client_id + "-acks"),
@@ -622,10 +630,14 @@ class KafkaDecisionSink(_Producer):
                 "enable_auto_commit": True,
                 "metadata_max_age_ms": 5_000,
             }
-            self._ack_consumer = _connect(
-                "ack consumer", bootstrap, options, lambda: KafkaConsumer(**cfg)
+            consumer = _connect("ack consumer", bootstrap, options, lambda: KafkaConsumer(**cfg))
+            consumer.subscribe([ack_topic])
+            # Acks arrive whether or not events do: a thread of its own reads them (the
+            # consumer is used by that thread only; counts are plain Counter updates).
+            self._ack_thread = threading.Thread(
+                target=self._read_acks, args=(consumer,), name="kvwarm-acks", daemon=True
             )
-            self._ack_consumer.subscribe([ack_topic])
+            self._ack_thread.start()
 
     def emit(self, decisions: Iterable[Mapping[str, Any] | SupportsToDict]) -> int:
         """Queue decisions for sending; returns how many."""
@@ -649,35 +661,33 @@ class KafkaDecisionSink(_Producer):
             self._send(key, value)
         return len(typed)
 
-    def read_acks(self, timeout_ms: int = 0) -> int:
-        """Count the acknowledgements waiting on the ack topic; returns how many results."""
-        if self._ack_consumer is None:
-            return 0
-        n = 0
-        for records in self._ack_consumer.poll(timeout_ms=timeout_ms).values():
-            for record in records:
-                try:
-                    pairs = parse_ack(msgspec.json.decode(record.value or b""))
-                except (HintError, msgspec.DecodeError) as exc:
-                    log.warning("malformed ack at offset %s: %s", record.offset, exc)
-                    self.acks["malformed"] += 1
-                    continue
-                for _, status in pairs:
-                    self.acks[status] += 1
-                n += len(pairs)
-        return n
-
-    def flush(self, timeout_s: float | None = None) -> None:
-        super().flush(timeout_s)
-        self.read_acks()
+    def _read_acks(self, consumer: KafkaConsumer) -> None:
+        """Count acknowledgements until ``close``; a malformed one counts as malformed."""
+        try:
+            while not self._ack_stop.is_set():
+                for records in consumer.poll(timeout_ms=200).values():
+                    for record in records:
+                        try:
+                            pairs = parse_ack(msgspec.json.decode(record.value or b""))
+                        except (HintError, msgspec.DecodeError) as exc:
+                            log.warning("malformed ack at offset %s: %s", record.offset, exc)
+                            self.acks["malformed"] += 1
+                            continue
+                        for _, status in pairs:
+                            self.acks[status] += 1
+        except Exception:  # a broken ack stream must not take the sink down
+            log.exception("ack consumer stopped")
+        finally:
+            consumer.close()
 
     def close(self, timeout_s: float = 30) -> None:
         try:
             super().close(timeout_s)
         finally:
-            if self._ack_consumer is not None:
-                self._ack_consumer.close()
-                self._ack_consumer = None
+            if self._ack_thread is not None:
+                self._ack_stop.set()
+                self._ack_thread.join(timeout=timeout_s)
+                self._ack_thread = None
 
     def __enter__(self) -> KafkaDecisionSink:
         return self

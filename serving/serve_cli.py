@@ -48,13 +48,13 @@ from serving.http import HealthServer, SidecarMetrics
 from serving.loop import LoopStats, Sidecar
 from serving.model_lifecycle import ModelManager
 from serving.placement import Placement
+from serving.planner import Planner
 from serving.request_intake import (
     MAX_REQUEST_BODY_BYTES,
     REQUESTS_PATH,
     IntakeSource,
     RequestIntake,
 )
-from serving.planner import Planner
 from serving.settings import Endpoint, SidecarSettings, load_settings
 from serving.sources import EventSource, FileSource
 
