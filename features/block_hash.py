@@ -14,8 +14,8 @@ Primitives:
   big-endian, low 64 bits kept), and what ``features.events.block_hash_from`` folds a
   ``bytes`` hash to when an engine publishes raw digests instead, so both meet.
 - ``request_blocks_accessed(...)``: a ``BlocksAccessed`` event for a request.
-- ``tokens_from_text(text, tokenizer_path)``: token ids from a local ``tokenizer.json``
-  (needs the optional ``tokenizers`` package).
+- ``load_tokenizer(path)``: text -> token ids with a local ``tokenizer.json`` (needs
+  the optional ``tokenizers`` package); ``decode_request_event`` takes ``text`` with it.
 
 What is reproduced (vLLM 0.33.0, ``vllm/v1/core/kv_cache_utils.py``: ``init_none_hash``,
 ``hash_block_tokens``, ``generate_block_hash_extra_keys``, ``get_request_block_hasher``;
@@ -43,7 +43,7 @@ from __future__ import annotations
 
 import hashlib
 import pickle
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -275,6 +275,7 @@ REQUEST_EVENT_FIELDS = (
     "ts",
     "engine_id",
     "token_ids",
+    "text",
     "block_size",
     "hash_algo",
     "none_hash_seed",
@@ -324,7 +325,11 @@ def _mm_items(value: Any) -> tuple[MultiModalItem, ...]:
 
 
 def decode_request_event(
-    obj: Any, *, default_request_id: str | None = None, default_ts_ms: int | None = None
+    obj: Any,
+    *,
+    default_request_id: str | None = None,
+    default_ts_ms: int | None = None,
+    tokenize: Tokenize | None = None,
 ) -> BlocksAccessed:
     """A request event (a parsed JSON object) to ``BlocksAccessed``, hashing its tokens::
 
@@ -333,7 +338,9 @@ def decode_request_event(
          "lora_name": null, "lora_path": null, "cache_salt": null,
          "mm_items": [{"identifier": "...", "offset": 3, "length": 576}]}
 
-    ``ts`` (seconds, as vLLM stamps its batches) may stand in for ``ts_ms``. The
+    ``text`` may stand in for ``token_ids`` where a ``tokenize`` is given (the HTTP
+    intake with a configured tokenizer file). ``ts`` (seconds, as vLLM stamps its
+    batches) may stand in for ``ts_ms``. The
     defaults fill a missing request id or time (the HTTP intake uses a generated id and
     the wall clock); without them both are required. Unknown fields are refused so a
     misspelt extra key (which would silently change every hash) fails loudly.
@@ -349,8 +356,21 @@ def decode_request_event(
             f"unknown request field; known: {', '.join(REQUEST_EVENT_FIELDS)}",
             "unknown_field",
         )
-    if "token_ids" not in obj:
-        raise EventValidationError("token_ids", "is missing", "missing_field")
+    token_ids = obj.get("token_ids")
+    if token_ids is None and "text" in obj:
+        text = obj["text"]
+        if tokenize is None:
+            raise EventValidationError(
+                "text",
+                "no tokenizer configured here (KVWARM_TOKENIZER_PATH on the HTTP intake); "
+                "send token_ids instead",
+                "no_tokenizer",
+            )
+        if not isinstance(text, str) or len(text) > 64 * MAX_TOKENS_PER_REQUEST:
+            raise EventValidationError("text", "expected a string of bounded length", "bad_type")
+        token_ids = tokenize(text)
+    if token_ids is None:
+        raise EventValidationError("token_ids", "is missing (or give text)", "missing_field")
     ts_ms = obj.get("ts_ms")
     if ts_ms is None and obj.get("ts") is not None:
         ts = obj["ts"]
@@ -374,7 +394,7 @@ def decode_request_event(
         none_hash_seed=obj.get("none_hash_seed") or DEFAULT_NONE_HASH_SEED,
     )
     return request_blocks_accessed(
-        obj["token_ids"],
+        token_ids,
         params,
         request_id=request_id,
         ts_ms=ts_ms,
@@ -385,10 +405,15 @@ def decode_request_event(
     )
 
 
-def tokens_from_text(text: str, tokenizer_path: str | Path) -> list[int]:
-    """Token ids of ``text`` with a local Hugging Face ``tokenizer.json`` (the one the
-    engine's model ships). Needs the optional ``tokenizers`` package. Special tokens
-    (BOS, chat template) are the caller's: pass the prompt exactly as the engine sees it."""
+Tokenize = Callable[[str], list[int]]
+"""Text -> token ids, as the engine's tokenizer does it."""
+
+
+def load_tokenizer(tokenizer_path: str | Path) -> Tokenize:
+    """A tokenizer from a local Hugging Face ``tokenizer.json`` (the file the engine's
+    model ships), loaded once. Needs the optional ``tokenizers`` package. Special tokens
+    and chat templates are the caller's: send the prompt exactly as the engine sees it
+    (or let the engine tokenize: vLLM's ``POST /tokenize``, see devtools/router_hook.py)."""
     try:
         from tokenizers import Tokenizer
     except ImportError:
@@ -404,4 +429,8 @@ def tokens_from_text(text: str, tokenizer_path: str | Path) -> list[int]:
             "tokenizer", f"{path}: no such tokenizer file (want a tokenizer.json)", "no_tokenizer"
         )
     tokenizer = Tokenizer.from_file(str(path))
-    return list(tokenizer.encode(text, add_special_tokens=False).ids)
+
+    def tokenize(text: str) -> list[int]:
+        return list(tokenizer.encode(text, add_special_tokens=False).ids)
+
+    return tokenize

@@ -32,7 +32,7 @@ import uuid
 from collections import Counter, deque
 from typing import Any
 
-from features.block_hash import decode_request_event
+from features.block_hash import Tokenize, decode_request_event
 from features.events import BlocksAccessed, Event, EventValidationError
 from serving.sources import EventSource
 
@@ -48,8 +48,13 @@ DEFAULT_MAX_PENDING = 10_000
 class RequestIntake:
     """Hashes request bodies into access events and queues them for the loop."""
 
-    def __init__(self, *, max_pending: int = DEFAULT_MAX_PENDING) -> None:
+    def __init__(
+        self, *, max_pending: int = DEFAULT_MAX_PENDING, tokenize: Tokenize | None = None
+    ) -> None:
+        """``tokenize`` (``features.block_hash.load_tokenizer``) lets requests send
+        ``text`` instead of ``token_ids``."""
         self.max_pending = max_pending
+        self.tokenize = tokenize
         self._queue: deque[BlocksAccessed] = deque()
         self._lock = threading.Lock()
         self.num_accepted = 0
@@ -65,7 +70,10 @@ class RequestIntake:
             except (ValueError, UnicodeDecodeError) as exc:
                 raise EventValidationError("<body>", f"not JSON: {exc}", "bad_json") from None
             event = decode_request_event(
-                obj, default_request_id=f"http-{uuid.uuid4().hex}", default_ts_ms=now
+                obj,
+                default_request_id=f"http-{uuid.uuid4().hex}",
+                default_ts_ms=now,
+                tokenize=self.tokenize,
             )
         except EventValidationError as exc:
             self.rejects_by_reason[exc.reason] += 1

@@ -35,6 +35,7 @@ from typing import Any
 import click
 import numpy as np
 
+from features.block_hash import load_tokenizer
 from features.events import Event
 from serving.decisions import (
     DecisionMaker,
@@ -284,7 +285,11 @@ class Service:
         self.intake: RequestIntake | None = None
         inner = source or open_source(settings)
         if settings.http_enabled and settings.request_intake:
-            self.intake = RequestIntake()
+            self.intake = RequestIntake(
+                tokenize=load_tokenizer(settings.tokenizer_path)
+                if settings.tokenizer_path
+                else None
+            )
         if self.intake is not None or settings.engine_id is not None:
             inner = IntakeSource(
                 self.intake or RequestIntake(max_pending=0), inner, engine_id=settings.engine_id

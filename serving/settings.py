@@ -282,6 +282,11 @@ class SidecarSettings(BaseSettings):
     request_intake: bool = Field(
         True, description="Take request events on POST /v1/requests (needs http_enabled)."
     )
+    tokenizer_path: Path | None = Field(
+        None,
+        description="The engine model's tokenizer.json: lets POST /v1/requests take text "
+        "instead of token ids (needs the 'tokenizers' package).",
+    )
 
     @field_validator("source")
     @classmethod

@@ -15,8 +15,10 @@ from features.block_hash import (
     HashParams,
     MultiModalItem,
     block_id,
+    decode_request_event,
     engine_block_hashes,
     engine_block_ids,
+    load_tokenizer,
     none_hash,
     request_blocks_accessed,
 )
@@ -134,3 +136,24 @@ def test_bad_input_names_the_field_and_the_fix(
     assert info.value.field == field
     if field == "hash_algo":
         assert "--prefix-caching-hash-algo sha256" in str(info.value)
+
+
+def test_text_requests_hash_the_tokenizer_ids(tmp_path: Path) -> None:
+    from tokenizers import Tokenizer
+    from tokenizers.models import WordLevel
+    from tokenizers.pre_tokenizers import Whitespace
+
+    vocab = {"[UNK]": 0, **{f"w{i}": i + 1 for i in range(40)}}
+    tokenizer = Tokenizer(WordLevel(vocab, unk_token="[UNK]"))
+    tokenizer.pre_tokenizer = Whitespace()
+    path = tmp_path / "tokenizer.json"
+    tokenizer.save(str(path))
+    tokenize = load_tokenizer(path)
+    text = " ".join(f"w{i}" for i in range(40))
+    assert tokenize(text) == list(range(1, 41))
+    event = decode_request_event({"text": text, "ts_ms": 1, "request_id": "r"}, tokenize=tokenize)
+    assert list(event.block_hashes) == engine_block_ids(list(range(1, 41)), HashParams())
+    with pytest.raises(EventValidationError, match="no tokenizer configured"):
+        decode_request_event({"text": text, "ts_ms": 1, "request_id": "r"})
+    with pytest.raises(EventValidationError, match="no such tokenizer file"):
+        load_tokenizer(tmp_path / "missing.json")
