@@ -42,6 +42,7 @@ from __future__ import annotations
 import json
 import time
 import urllib.error
+import urllib.parse
 import urllib.request
 from collections import Counter, OrderedDict
 from collections.abc import Sequence
@@ -90,6 +91,36 @@ class LMCacheParams:
             )
         if self.world_size < 1 or self.chunk_size_tokens < 1:
             raise ValueError("world_size and chunk_size_tokens must be >= 1")
+
+
+def params_from_url(url: str) -> LMCacheParams:
+    """``http://HOST:PORT?instance=ID&model=NAME[&world_size=N&chunk_size=N&cache_salt=S]``
+    (what ``--executor lmcache:...`` takes) as ``LMCacheParams``."""
+    parts = urllib.parse.urlsplit(url)
+    query = dict(urllib.parse.parse_qsl(parts.query))
+    missing = [k for k in ("instance", "model") if not query.get(k)]
+    if parts.scheme not in ("http", "https") or not parts.netloc or missing:
+        raise ValueError(
+            f"LMCache executor {url!r}: use http://HOST:PORT?instance=ID&model=NAME"
+            + (f" (missing {', '.join(missing)})" if missing else "")
+        )
+    known = {"instance", "model", "world_size", "chunk_size", "cache_salt"}
+    unknown = sorted(set(query) - known)
+    if unknown:
+        raise ValueError(
+            f"LMCache executor {url!r}: unknown {unknown[0]!r}; known: {sorted(known)}"
+        )
+    try:
+        return LMCacheParams(
+            coordinator_url=f"{parts.scheme}://{parts.netloc}",
+            instance_id=query["instance"],
+            model_name=query["model"],
+            world_size=int(query.get("world_size", 1)),
+            chunk_size_tokens=int(query.get("chunk_size", 256)),
+            cache_salt=query.get("cache_salt", ""),
+        )
+    except ValueError as exc:
+        raise ValueError(f"LMCache executor {url!r}: {exc}") from None
 
 
 class TokenIndex:

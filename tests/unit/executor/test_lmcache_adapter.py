@@ -10,7 +10,7 @@ from collections.abc import Iterator
 import pytest
 
 from devtools.lmcache_standin import LMCacheStandIn
-from executor.adapters.lmcache import LMCacheExecutor, LMCacheParams, TokenIndex
+from executor.adapters.lmcache import LMCacheExecutor, LMCacheParams, TokenIndex, params_from_url
 from executor.decision import Decision
 from executor.kvhints import ack_status_of
 from features.block_hash import HashParams, request_blocks_accessed
@@ -129,6 +129,17 @@ def test_token_index_is_bounded() -> None:
     assert index.tokens_through(0) is None and index.tokens_through(41) == (tuple(range(32)), 32)
 
 
-def test_bad_params_fail_with_the_fix() -> None:
+def test_params_from_a_url_and_bad_params_fail_with_the_fix() -> None:
+    p = params_from_url("http://10.0.0.5:9300?instance=mp-1&model=qwen&world_size=2&chunk_size=128")
+    assert (p.coordinator_url, p.instance_id, p.model_name) == (
+        "http://10.0.0.5:9300",
+        "mp-1",
+        "qwen",
+    )
+    assert (p.world_size, p.chunk_size_tokens, p.cache_salt) == (2, 128, "")
+    with pytest.raises(ValueError, match="missing model"):
+        params_from_url("http://h:1?instance=a")
+    with pytest.raises(ValueError, match="unknown 'modle'"):
+        params_from_url("http://h:1?instance=a&model=m&modle=x")
     with pytest.raises(ValueError, match="http://HOST:PORT"):
         LMCacheParams("localhost:9300", "mp-0", "m")
