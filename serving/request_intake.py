@@ -26,6 +26,7 @@ the queue is full.
 from __future__ import annotations
 
 import json
+import logging
 import threading
 import time
 import uuid
@@ -35,6 +36,8 @@ from typing import Any
 from features.block_hash import Tokenize, decode_request_event
 from features.events import BlocksAccessed, Event, EventValidationError
 from serving.sources import EventSource
+
+log = logging.getLogger(__name__)
 
 REQUESTS_PATH = "/v1/requests"
 
@@ -120,6 +123,7 @@ class IntakeSource:
         self.inner = inner
         self.engine_id = engine_id
         self.num_other_engine = 0
+        self._warned: set[str] = set()
 
     @property
     def exhausted(self) -> bool:
@@ -130,6 +134,13 @@ class IntakeSource:
         if self.engine_id is None or not other or other == self.engine_id:
             return True
         self.num_other_engine += 1
+        if len(self._warned) < 100 and other not in self._warned:
+            self._warned.add(other)
+            log.warning(
+                "dropping events of engine %r: this sidecar serves engine %r (--engine-id)",
+                other,
+                self.engine_id,
+            )
         return False
 
     def poll(self, max_events: int, timeout_ms: int = 0) -> list[Event]:

@@ -284,6 +284,13 @@ class Service:
 
         self.intake: RequestIntake | None = None
         inner = source or open_source(settings)
+        known = getattr(inner, "engine_ids", None)  # a ZMQ source names its engines
+        if settings.engine_id is not None and known and settings.engine_id not in known:
+            inner.close()
+            raise click.UsageError(
+                f"--engine-id {settings.engine_id} names no engine of the source "
+                f"({', '.join(known)}); add engine={settings.engine_id} to the zmq:// URL"
+            )
         if settings.http_enabled and settings.request_intake:
             self.intake = RequestIntake(
                 tokenize=load_tokenizer(settings.tokenizer_path)

@@ -18,6 +18,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+import click
 import jsonschema
 import pytest
 
@@ -200,3 +201,13 @@ def test_http_bounds_the_body(publisher: EnginePublisher) -> None:
         assert code == 404 and "/v1/requests" in reply["error"]
     finally:
         service.close()
+
+
+def test_an_engine_id_the_zmq_source_does_not_name_fails_at_start(
+    publisher: EnginePublisher,
+) -> None:
+    settings = load_settings(
+        None, source=publisher.url(), executor="none", engine_id="vllm-0", http_enabled=False
+    )
+    with pytest.raises(click.UsageError, match="add engine=vllm-0 to the zmq:// URL"):
+        Service(settings)
