@@ -41,6 +41,7 @@ from pydantic_settings import (
     YamlConfigSettingsSource,
 )
 
+from executor.adapters.lmcache import params_from_url
 from serving.planner import PlannerParams
 
 CONFIG_ENV = "KVWARM_CONFIG"
@@ -57,15 +58,17 @@ class SettingsError(ValueError):
 class Endpoint:
     """A parsed endpoint spec: ``scheme`` plus either a Kafka address and topic or a path."""
 
-    scheme: Literal["kafka", "file", "zmq", "local", "sim", "none"]
+    scheme: Literal["kafka", "file", "zmq", "local", "sim", "lmcache", "none"]
     target: str
-    """Path (file/local), profile (sim), full URL (zmq), or ``HOST:PORT`` (kafka)."""
+    """Path (file/local), profile (sim), full URL (zmq, lmcache), or ``HOST:PORT`` (kafka)."""
     topic: str = ""
 
 
 SOURCE_FORMS = "kafka://HOST:PORT/TOPIC, file:PATH or zmq://HOST:PORT[?topic=..&replay=..]"
 SINK_FORMS = "kafka://HOST:PORT/TOPIC or file:PATH"
-EXECUTOR_FORMS = "local:CONFIG.toml, sim:PROFILE or none"
+EXECUTOR_FORMS = (
+    "local:CONFIG.toml, sim:PROFILE, lmcache:http://HOST:PORT?instance=ID&model=NAME or none"
+)
 
 
 def _kafka(spec: str, what: str, forms: str) -> Endpoint:
@@ -104,6 +107,13 @@ def parse_executor(spec: str) -> Endpoint:
         prefix = scheme + ":"
         if spec.startswith(prefix) and len(spec) > len(prefix):
             return Endpoint(scheme, spec[len(prefix) :])  # type: ignore[arg-type]
+    if spec.startswith("lmcache:"):
+        url = spec[len("lmcache:") :]
+        try:
+            params_from_url(url)
+        except ValueError as exc:
+            raise SettingsError(str(exc)) from None
+        return Endpoint("lmcache", url)
     raise SettingsError(f"executor {spec!r} is not understood; use {EXECUTOR_FORMS}")
 
 
