@@ -203,6 +203,14 @@ def check_token_ids(token_ids: Any) -> list[int]:
             f"{len(token_ids)} tokens, at most {MAX_TOKENS_PER_REQUEST} per request",
             "too_large",
         )
+    # Fast path (a JSON list is plain ints): one type scan, then C-level min/max.
+    if all(type(t) is int for t in token_ids):
+        if token_ids and (min(token_ids) < 0 or max(token_ids) > MAX_TOKEN_ID):
+            bad = next(t for t in token_ids if not 0 <= t <= MAX_TOKEN_ID)
+            raise EventValidationError(
+                "token_ids", f"token {bad!r:.30} is not an integer in 0..2**32-1", "bad_token"
+            )
+        return list(token_ids)
     out: list[int] = []
     for t in token_ids:
         # numpy ints pickle differently from Python ints: normalise, and refuse bools.
