@@ -423,7 +423,10 @@ class Service:
 @click.command("serve")
 @click.option("--source", help="kafka://HOST:PORT/TOPIC | file:PATH | zmq://HOST:PORT[?...]")
 @click.option("--model", help="lru | saved policy dir or model file | models:/NAME@ALIAS")
-@click.option("--executor", help="local:CONFIG.toml | sim:PROFILE | none")
+@click.option(
+    "--executor",
+    help="local:CONFIG.toml | sim:PROFILE | lmcache:http://HOST:PORT?instance=ID&model=NAME | none",
+)
 @click.option(
     "--decisions",
     multiple=True,

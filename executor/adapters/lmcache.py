@@ -311,6 +311,18 @@ class LMCacheExecutor:
             return out("missing", "not cached in LMCache")
         return out("applied")
 
+    def store(self, block: int, tier: str, size_bytes: int) -> Outcome:
+        """Refused: the engine stores what it computes into LMCache itself; kvwarm never
+        writes KV through this adapter (``failed`` with that reason)."""
+        return Outcome(
+            "write",
+            cast(Any, "failed"),
+            "LMCache stores what the engine computes; kvwarm writes no KV",
+            block,
+            None,
+            tier,
+        )
+
     def locate(self, block: int) -> str | None:
         """The fastest LMCache tier holding the chunk of ``block`` (None if unknown)."""
         chunk = self._chunk_tokens(block)
