@@ -31,6 +31,12 @@ capacities / occupancy      ``GET /instances/usage`` -> {instances: [{instance_i
 health                      ``GET /healthz`` -> {status: "healthy"}
 ==========================  ======================================================
 
+Known limit: the coordinator's delete acts on every complete chunk of the token prefix
+it is given, so an evict or demote of block ``b`` also drops the chunks *before* b's
+chunk (extra cold reads later, never wrong data). Deleting b's chunk alone needs its
+LMCache keys (``/directory/lookup``) sent to the MP server's ``DELETE /cache/objects``
+while honouring the coordinator's L2 pins; not done yet.
+
 Tiers: LMCache's L1 is ``dram``, its L2 ``nvme``. Outcomes: a block whose tokens were
 never seen is ``missing`` (the adapter cannot name it to LMCache); a coordinator error
 is ``failed`` with LMCache's ``detail``; a sequence shorter than one chunk is
