@@ -23,6 +23,7 @@ Every client connects with bounded retries; when no broker answers,
 from __future__ import annotations
 
 import logging
+import socket
 import time
 from collections import Counter, deque
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -129,6 +130,10 @@ class ConnectOptions:
     attempts: int = 3
     attempt_timeout_ms: int = 5_000
     backoff_s: float = 0.5
+    probe_s: float = 2.0
+    """Before any client is built, the bootstrap addresses are tried over plain TCP for
+    at most this long: a host where nothing listens fails in about this time with one
+    line, instead of after every client retry (0: no probe)."""
     # Reconnect quickly after a broker restart (kafka-python's default cap is 30 s).
     reconnect_backoff_max_ms: int = 1_000
 
@@ -146,8 +151,42 @@ def _client_config(
     }
 
 
+def probe_bootstrap(bootstrap: str, within_s: float) -> None:
+    """Raise ``KafkaUnavailableError`` unless some ``HOST:PORT`` of ``bootstrap``
+    accepts a TCP connection within ``within_s`` (tried every 0.2 s)."""
+    addresses = []
+    for item in bootstrap.split(","):
+        host, _, port = item.strip().rpartition(":")
+        if not host or not port.isdigit():
+            raise KafkaUnavailableError(
+                f"Kafka address {item.strip()!r} is not HOST:PORT; pass --bootstrap HOST:PORT "
+                "or set KVWARM_KAFKA_BOOTSTRAP"
+            )
+        addresses.append((host.strip("[]"), int(port)))
+    deadline = time.monotonic() + within_s
+    last: OSError | None = None
+    while True:
+        for host, port in addresses:
+            try:
+                with socket.create_connection((host, port), timeout=min(1.0, within_s)):
+                    return
+            except OSError as exc:
+                last = exc
+        if time.monotonic() >= deadline:
+            break
+        time.sleep(0.2)
+    why = (getattr(last, "strerror", None) or str(last) or "no answer").lower()
+    raise KafkaUnavailableError(
+        f"no Kafka broker at {bootstrap} ({why}); start one with `kvwarm kafka up` "
+        "(or check `kvwarm kafka status`), or give the right address with "
+        "kafka://HOST:PORT/TOPIC, --bootstrap or KVWARM_KAFKA_BOOTSTRAP"
+    )
+
+
 def _connect(what: str, bootstrap: str, options: ConnectOptions, factory: Callable[[], _T]) -> _T:
     """Build a client, retrying a bounded number of times while no broker answers."""
+    if options.probe_s > 0:
+        probe_bootstrap(bootstrap, options.probe_s)
     delay_s = options.backoff_s
     for attempt in range(1, options.attempts + 1):
         try:

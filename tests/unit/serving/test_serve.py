@@ -133,7 +133,7 @@ def test_sigterm_finishes_the_batch_and_exits_zero(small_trace, tmp_path):
     config.write_text(f'source = "file:{small_trace}"\nhttp_port = 0\nbatch_size = 32\n')
     proc = _serve(
         ["--config", str(config), "--decisions", f"file:{out}", "--executor", "sim:default"],
-        {"KVWARM_CLOCK": "wall", "KVWARM_TARGET_BATCH_LATENCY_MS": "5"},
+        {"KVWARM_TARGET_BATCH_LATENCY_MS": "5"},
     )
     deadline = time.monotonic() + 120
     while not (out.exists() and out.stat().st_size > 0):
@@ -156,7 +156,7 @@ def test_bad_settings_fail_with_a_usage_error(small_trace):
     proc = _serve(["--source", "http://nope"])
     _, stderr = proc.communicate(timeout=60)
     assert proc.returncode == 2
-    assert "kafka://HOST:PORT/TOPIC, file:PATH or zmq://" in stderr.decode()
+    assert "kafka://HOST:PORT/TOPIC, kafka:TOPIC (local broker), file:PATH or zmq://" in stderr.decode()
 
 
 def test_the_trace_is_read_once_through(tmp_path):
