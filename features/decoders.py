@@ -112,7 +112,9 @@ def timestamp_ms(value: Any, unit: str, field: str = "ts_ms") -> int:
         raise EventValidationError(field, f"expected a number, got {value!r:.40}", "bad_type")
     ms = number * _MS_PER_UNIT[unit] if unit != "ms" else number
     if not math.isfinite(ms):
-        raise EventValidationError(field, f"expected a finite number, got {value!r:.40}", "bad_type")
+        raise EventValidationError(
+            field, f"expected a finite number, got {value!r:.40}", "bad_type"
+        )
     if ms < 0:
         raise EventValidationError(field, f"must be >= 0, got {value!r:.40}", "negative")
     if ms >= 2**62:
@@ -120,6 +122,7 @@ def timestamp_ms(value: Any, unit: str, field: str = "ts_ms") -> int:
             field, f"{value!r:.40} {unit} is out of range", "ts_out_of_range"
         )
     return int(round(ms))
+
 
 _json_decoder = msgspec.json.Decoder()
 

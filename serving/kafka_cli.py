@@ -1,14 +1,19 @@
 """``kvwarm kafka up|down|status|fetch`` (a local broker) and ``kvwarm produce`` (replay a
-trace into a topic). kafka-python is imported only when ``produce`` runs."""
+trace into a topic). kafka-python is imported only when ``produce`` runs.
+
+``kafka up`` listens on 9092 when that port is free (else on a free port, and says so)
+and writes its address to ``serving.settings.bootstrap_file()``, which ``serve``,
+``produce`` and ``bridge`` read when given no address; ``kafka down`` removes it."""
 
 from __future__ import annotations
 
-import os
+import socket
 import sys
 from pathlib import Path
 
 import click
 
+from features.decoders import TIME_UNITS
 from serving.kafka_broker import (
     DEFAULT_HEAP_MB,
     KAFKA_VERSION,
@@ -17,8 +22,13 @@ from serving.kafka_broker import (
     default_state_dir,
     fetch_jars,
 )
-
-DEFAULT_BOOTSTRAP = "127.0.0.1:9092"
+from serving.settings import (
+    BOOTSTRAP_ENV,
+    DEFAULT_BOOTSTRAP,
+    DEFAULT_EVENTS_TOPIC,
+    bootstrap_file,
+    local_bootstrap,
+)
 
 _state_dir_option = click.option(
     "--state-dir",
@@ -53,7 +63,7 @@ def fetch() -> None:
     "--port",
     type=click.IntRange(1, 65535),
     default=None,
-    help="Broker port [default: a free one, kept].",
+    help="Broker port [default: 9092 if free, else a free one; kept for later starts].",
 )
 @click.option("--heap-mb", type=click.IntRange(128), default=DEFAULT_HEAP_MB, show_default=True)
 @click.option("--fresh", is_flag=True, help="Delete the state dir first (all topics and offsets).")
@@ -61,11 +71,19 @@ def fetch() -> None:
 def up(
     state_dir: Path | None, port: int | None, heap_mb: int, fresh: bool, timeout_s: float
 ) -> None:
-    """Start the broker in the background and wait until it accepts connections."""
-    broker = KafkaBroker(state_dir, port=port, heap_mb=heap_mb)
+    """Start the broker in the background and wait until it accepts connections.
+
+    It listens on 127.0.0.1:9092 when that port is free; otherwise on a free port, said
+    here. Either way its address is written where `serve`, `produce` and `bridge` look
+    when given none, so the README's commands work unchanged.
+    """
+    default_port = int(DEFAULT_BOOTSTRAP.rsplit(":", 1)[1])
     if fresh:
-        broker.destroy()
-        broker = KafkaBroker(state_dir, port=port, heap_mb=heap_mb)
+        KafkaBroker(state_dir).destroy()
+    broker = KafkaBroker(state_dir, port=port, heap_mb=heap_mb)
+    if port is None and not broker.status().running and _port_free(default_port):
+        # Only a broker not yet configured takes the request; a configured one keeps its port.
+        broker = KafkaBroker(state_dir, port=default_port, heap_mb=heap_mb)
     try:
         start_s = broker.start(timeout_s=timeout_s)
     except KafkaBrokerError as exc:
@@ -73,7 +91,24 @@ def up(
     status = broker.status()
     note = "already running" if start_s == 0.0 else f"ready in {start_s:.1f} s"
     click.echo(f"Kafka {KAFKA_VERSION} {note}: pid {status.pid}, bootstrap {status.bootstrap}")
-    click.echo(f"export KVWARM_KAFKA_BOOTSTRAP={status.bootstrap}")
+    path = bootstrap_file()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(status.bootstrap + "\n", encoding="utf-8")
+    if status.bootstrap != DEFAULT_BOOTSTRAP:
+        click.echo(
+            f"port {default_port} was taken: the broker listens on {status.bootstrap}; "
+            f"serve, produce and bridge find it through {path} (or {BOOTSTRAP_ENV})"
+        )
+
+
+def _port_free(port: int) -> bool:
+    """Nothing on 127.0.0.1 accepts connections on ``port`` and it can be bound."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        try:
+            sock.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
 
 
 @kafka.command()
@@ -86,6 +121,8 @@ def down(state_dir: Path | None, grace_s: float, delete_data: bool) -> None:
     """Stop the broker started from this state dir (by its PID, never by name)."""
     broker = KafkaBroker(state_dir)
     was_running = broker.stop(grace_s=grace_s)
+    if state_dir is None:
+        bootstrap_file().unlink(missing_ok=True)
     if delete_data:
         broker.destroy()
     click.echo("stopped" if was_running else f"not running (state dir {broker.state_dir})")
@@ -101,13 +138,33 @@ def status(state_dir: Path | None) -> None:
 
 
 @click.command()
-@click.argument("trace", type=click.Path(exists=True, dir_okay=False, path_type=Path))
-@click.option("--topic", "-t", required=True, help="Topic to produce access events to.")
+@click.argument("trace", type=click.Path(path_type=Path))
+@click.option(
+    "--topic",
+    "-t",
+    default=DEFAULT_EVENTS_TOPIC,
+    show_default=True,
+    help="Topic to produce access events to (what `serve` reads by default).",
+)
 @click.option(
     "--bootstrap",
-    default=lambda: os.environ.get("KVWARM_KAFKA_BOOTSTRAP", DEFAULT_BOOTSTRAP),
-    show_default=f"$KVWARM_KAFKA_BOOTSTRAP or {DEFAULT_BOOTSTRAP}",
+    default=None,
+    show_default=f"${BOOTSTRAP_ENV}, else the address `kvwarm kafka up` wrote, else "
+    f"{DEFAULT_BOOTSTRAP}",
     help="host:port[,host:port...] of the brokers.",
+)
+@click.option(
+    "--restamp",
+    is_flag=True,
+    help="Stamp each event with the wall clock when it is sent (for `serve --clock wall`); "
+    "by default events keep the trace's own time, which `serve` uses.",
+)
+@click.option(
+    "--time-unit",
+    type=click.Choice(TIME_UNITS),
+    default="auto",
+    show_default=True,
+    help="Unit of the trace's timestamps (auto: by magnitude).",
 )
 @click.option(
     "--speed",
@@ -135,7 +192,9 @@ def status(state_dir: Path | None) -> None:
 def produce(
     trace: Path,
     topic: str,
-    bootstrap: str,
+    bootstrap: str | None,
+    restamp: bool,
+    time_unit: str,
     speed: float | None,
     max_rate: float | None,
     partitions: int | None,
@@ -147,10 +206,16 @@ def produce(
 
     Without --speed or --max-rate, as fast as the broker takes it.
     """
+    from features.decoders import TraceFormatError, check_trace_file
     from serving.kafka_io import KafkaSecurity, KafkaUnavailableError, ensure_topics, produce_trace
 
     if speed is not None and max_rate is not None:
         raise click.UsageError("give --speed or --max-rate, not both")
+    try:
+        check_trace_file(trace, fmt)
+    except TraceFormatError as exc:
+        raise click.UsageError(str(exc)) from None
+    bootstrap = bootstrap or local_bootstrap()
     security = KafkaSecurity()
     try:
         if partitions is not None:
@@ -158,12 +223,18 @@ def produce(
         report = produce_trace(
             trace, bootstrap, topic,
             speed=speed, max_rate_per_s=max_rate, fmt=fmt, limit=limit,
-            progress=not no_progress, security=security,
+            progress=not no_progress, security=security, restamp=restamp, time_unit=time_unit,
         )  # fmt: skip
     except KafkaUnavailableError as exc:
         raise click.ClickException(str(exc)) from None
     click.echo(
         f"produced {report.num_events:,} events ({report.num_block_accesses:,} block accesses) "
-        f"to {topic} in {report.elapsed_s:.1f} s ({report.events_per_s:,.0f} events/s); "
-        f"{report.num_rejected_rows} rows rejected"
+        f"to {topic} at {bootstrap} in {report.elapsed_s:.1f} s "
+        f"({report.events_per_s:,.0f} events/s), "
+        f"{'restamped to the wall clock' if restamp else 'on the trace clock'}; "
+        f"{report.rejects_summary or '0 rows rejected'}"
     )
+    if report.num_events == 0:
+        raise click.ClickException(
+            f"{trace}: no valid events to produce; {report.rejects_summary or 'the file is empty'}"
+        )

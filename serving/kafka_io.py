@@ -27,7 +27,7 @@ import socket
 import time
 from collections import Counter, deque
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Literal, Protocol, TypeVar
 
@@ -706,6 +706,8 @@ class ProduceReport:
     num_block_accesses: int
     num_rejected_rows: int
     elapsed_s: float
+    rejects_summary: str = ""
+    """``RejectLog.summary()``: the most common reject reason with an example."""
 
     @property
     def events_per_s(self) -> float:
@@ -747,10 +749,15 @@ def produce_trace(
     progress: bool = True,
     security: KafkaSecurity | None = None,
     options: ConnectOptions = ConnectOptions(),
+    restamp: bool = False,
+    time_unit: str = "auto",
 ) -> ProduceReport:
     """Replay a trace file into ``topic``: real time (``speed=1``), scaled (``speed=X``),
     capped (``max_rate_per_s=N``) or as fast as possible (neither). Rows the decoders
-    reject are counted and skipped, as in every file source."""
+    reject are counted and skipped, as in every file source.
+
+    Events keep the trace's timestamps (event time, what ``serve`` uses by default);
+    ``restamp`` stamps each with the wall clock (ms, never decreasing) when it is sent."""
     from tqdm import tqdm
 
     from features.decoders import RejectLog
@@ -767,7 +774,8 @@ def produce_trace(
     with KafkaEventProducer(bootstrap, topic, security=security, options=options) as producer:
         started = time.monotonic()
         bar = tqdm(total=limit, unit="ev", desc=f"produce {topic}", disable=not progress)
-        for event in read_trace(path, fmt=fmt, rejects=rejects):
+        last_stamp_ms = 0
+        for event in read_trace(path, fmt=fmt, rejects=rejects, time_unit=time_unit):
             if limit is not None and num_events >= limit:
                 break
             if first_ts_ms is None:
@@ -778,6 +786,9 @@ def produce_trace(
             )  # fmt: skip
             if wait_s > 0.001:
                 time.sleep(wait_s)
+            if restamp:
+                last_stamp_ms = max(last_stamp_ms, int(time.time() * 1000))
+                event = replace(event, ts_ms=last_stamp_ms)
             producer.send_event(event)
             num_events += 1
             num_blocks += len(event.block_hashes)
@@ -785,7 +796,7 @@ def produce_trace(
         producer.flush()
         bar.close()
         elapsed_s = time.monotonic() - started
-    return ProduceReport(num_events, num_blocks, rejects.total, elapsed_s)
+    return ProduceReport(num_events, num_blocks, rejects.total, elapsed_s, rejects.summary())
 
 
 # --- reading a topic without a group ------------------------------------------------------

@@ -34,7 +34,6 @@ import tempfile
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -159,6 +158,26 @@ def _classify(exc: BaseException) -> DegradedKind:
     return "load_failed"
 
 
+def check_time_base(policy: Policy) -> None:
+    """Refuse a model whose recorded time base is not the sidecar's (event-time ms,
+    unscaled): its time features would mean something else here."""
+    base = getattr(policy, "time_base", None)
+    if base is None:
+        return  # a baseline: no model, no time base
+    if base.get("unit") != "ms" or base.get("clock") != "event":
+        raise PolicyError(
+            f"model was trained on time base {base}, the sidecar computes features in "
+            "event-time ms; retrain it with kvwarm train"
+        )
+    scale = float(base.get("time_scale", 1.0))
+    if abs(scale - 1.0) > 1e-9:
+        raise PolicyError(
+            f"model was trained on a trace stretched x{scale:.3g} (a replay's model); its "
+            "horizon and time features do not match live event time; retrain it with "
+            "kvwarm train"
+        )
+
+
 class ModelManager:
     """Owns which policy the sidecar scores with. Thread-safe: the poller and the HTTP
     thread read ``status``; only ``_install`` writes it."""
@@ -253,6 +272,7 @@ class ModelManager:
             shutil.rmtree(scratch, ignore_errors=True)
         if getattr(policy, "needs_future", False):
             raise PolicyError(f"policy {policy.name!r} needs future knowledge; serving refuses it")
+        check_time_base(policy)
         return policy, version
 
     def load_initial(self, *, fallback: bool = True) -> Policy:

@@ -36,6 +36,7 @@ from typing import Any
 import click
 import numpy as np
 
+from features.decoders import TIME_UNITS, TraceFormatError
 from features.events import Event
 from serving.decisions import (
     DecisionMaker,
@@ -45,7 +46,6 @@ from serving.decisions import (
     NullSink,
     open_sink,
 )
-from features.decoders import TIME_UNITS, TraceFormatError
 from serving.http import HealthServer, HealthServerError, SidecarMetrics
 from serving.loop import LoopStats, Sidecar
 from serving.model_lifecycle import ModelManager, ModelStartError
@@ -447,8 +447,9 @@ class Service:
 )
 @click.option("--http-host", help="Address of /healthz, /readyz, /metrics (default 127.0.0.1).")
 @click.option(
-    "--http-port", type=click.IntRange(0, 65535), help="Port of the HTTP endpoints "
-    "(default 9464; 0: any free port, printed at start)."
+    "--http-port",
+    type=click.IntRange(0, 65535),
+    help="Port of the HTTP endpoints (default 9464; 0: any free port, printed at start).",
 )
 @click.option(
     "--clock",
@@ -461,7 +462,9 @@ class Service:
     type=click.Choice(TIME_UNITS),
     help="Unit of a file source's timestamps (default auto: by magnitude).",
 )
-@click.option("--batch-size", type=click.IntRange(1), help="Most events between two flush+commit points.")
+@click.option(
+    "--batch-size", type=click.IntRange(1), help="Most events between two flush+commit points."
+)
 @click.option(
     "--model-poll-s", "model_poll_interval_s", type=click.FloatRange(0), help="Alias poll interval."
 )
@@ -548,5 +551,7 @@ def _validation_message(exc: Any) -> str:
     where = ".".join(str(p) for p in err.get("loc", ())) or "settings"
     message = str(err.get("msg", "invalid")).removeprefix("Value error, ")
     return f"setting {where}: {message}" + (
-        f" (got {err['input']!r:.80})" if "input" in err and not isinstance(err["input"], dict) else ""
+        f" (got {err['input']!r:.80})"
+        if "input" in err and not isinstance(err["input"], dict)
+        else ""
     )

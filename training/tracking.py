@@ -28,7 +28,7 @@ import os
 import re
 import tempfile
 from collections.abc import Iterator, Mapping
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -83,10 +83,8 @@ def ui_command(uri: str) -> str:
     the store is under it, so it can be copied as printed)."""
     if uri.startswith("sqlite:///"):
         db = Path(uri[len("sqlite:///") :])
-        try:
+        with suppress(ValueError):
             db = db.resolve().relative_to(Path.cwd().resolve())
-        except ValueError:
-            pass
         return f"mlflow ui --backend-store-uri sqlite:///{db}"
     return f"open {masked_uri(uri)} in a browser"
 
@@ -286,7 +284,8 @@ def resolve_policy_dir(
     except Exception as exc:  # MLflow raises several types for a missing model or alias
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise PolicyLoadError(
-            uri, f"MLflow could not fetch it from {masked_uri(store_uri or tracking_uri())} ({first})"
+            uri,
+            f"MLflow could not fetch it from {masked_uri(store_uri or tracking_uri())} ({first})",
         ) from None
     for candidate in (
         local / "artifacts" / POLICY_ARTIFACT_KEY,
@@ -326,5 +325,6 @@ def model_version_for_uri(uri: str, *, store_uri: str | None = None) -> str:
     except Exception as exc:  # MLflow raises several types for a missing model or alias
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise PolicyLoadError(
-            uri, f"not in the MLflow registry at {masked_uri(store_uri or tracking_uri())} ({first})"
+            uri,
+            f"not in the MLflow registry at {masked_uri(store_uri or tracking_uri())} ({first})",
         ) from None

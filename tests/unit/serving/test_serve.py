@@ -156,7 +156,10 @@ def test_bad_settings_fail_with_a_usage_error(small_trace):
     proc = _serve(["--source", "http://nope"])
     _, stderr = proc.communicate(timeout=60)
     assert proc.returncode == 2
-    assert "kafka://HOST:PORT/TOPIC, kafka:TOPIC (local broker), file:PATH or zmq://" in stderr.decode()
+    assert (
+        "kafka://HOST:PORT/TOPIC, kafka:TOPIC (local broker), file:PATH or zmq://"
+        in stderr.decode()
+    )
 
 
 def test_the_trace_is_read_once_through(tmp_path):
