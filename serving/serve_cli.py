@@ -52,7 +52,7 @@ from serving.model_lifecycle import ModelManager, ModelStartError
 from serving.placement import Placement
 from serving.planner import Planner
 from serving.settings import Endpoint, SidecarSettings, load_settings
-from serving.sources import EventSource, FileSource
+from serving.sources import EventSource, FileSource, ReportsReadiness
 
 log = logging.getLogger(__name__)
 
@@ -128,6 +128,11 @@ class MeteredSource:
             self.cap = max(1, min(fit, self._max_events))
         self.num_unflushed = 0
         return latency
+
+    @property
+    def ready(self) -> bool:
+        """The inner source's readiness when it reports one, else True."""
+        return self.inner.ready if isinstance(self.inner, ReportsReadiness) else True
 
     def commit(self) -> None:
         self.inner.commit()
@@ -360,7 +365,9 @@ class Service:
         }
 
     def ready(self) -> bool:
-        return self._ready and not self._stop.is_set()
+        """/readyz: the loop runs and the source can deliver (a ZMQ source: an engine
+        is connected)."""
+        return self._ready and not self._stop.is_set() and self.source.ready
 
     # -- running -------------------------------------------------------------------------
     def start(self) -> Service:

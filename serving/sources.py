@@ -38,6 +38,15 @@ class EventSource(Protocol):
     def stats(self) -> dict[str, Any]: ...
 
 
+@runtime_checkable
+class ReportsReadiness(Protocol):
+    """A source that can be up yet unable to deliver (a ZMQ source with no engine
+    connected) declares it: ``ready`` is read by ``/readyz`` from the HTTP thread."""
+
+    @property
+    def ready(self) -> bool: ...
+
+
 class FileSource:
     """Streams a trace file (any format ``read_trace`` knows) as a source.
 
