@@ -119,6 +119,8 @@ class MlflowResolver(Resolver):
         self.tracking_uri = tracking_uri
 
     def version(self, uri: str) -> str:
+        # The one allowed upward import of serving (the other is the CLI command table):
+        # training.tracking is the only MLflow importer, loaded lazily on first use.
         from training import tracking
 
         return tracking.model_version_for_uri(uri, store_uri=self.tracking_uri)
