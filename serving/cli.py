@@ -80,6 +80,10 @@ class OneLineErrors(LazyGroup):
 
     def main(self, *args: Any, **kwargs: Any) -> Any:  # type: ignore[override]
         kwargs["standalone_mode"] = False
+        kwargs.setdefault("prog_name", "kvwarm")
+        argv = list(args[0] if args else kwargs.get("args") or sys.argv[1:])
+        words = [a for a in argv if not a.startswith("-")]
+        command_path = f"kvwarm {words[0]}" if words and words[0] in COMMANDS else "kvwarm"
         try:
             return super().main(*args, **kwargs)
         except click.exceptions.Exit as exc:
@@ -93,7 +97,7 @@ class OneLineErrors(LazyGroup):
             click.echo(f"{where}: error: {_one_line(exc.format_message())}{hint}", err=True)
             sys.exit(2)
         except click.ClickException as exc:
-            click.echo(f"{_command_path()}: error: {_one_line(exc.format_message())}", err=True)
+            click.echo(f"{command_path}: error: {_one_line(exc.format_message())}", err=True)
             sys.exit(exc.exit_code if exc.exit_code != 0 else 1)
         except KeyboardInterrupt:
             sys.exit(130)
@@ -103,7 +107,7 @@ class OneLineErrors(LazyGroup):
             if _VERBOSE:
                 raise
             click.echo(
-                f"{_command_path()}: error: {type(exc).__name__}: {_one_line(str(exc))} "
+                f"{command_path}: error: {type(exc).__name__}: {_one_line(str(exc))} "
                 "(run with -v for the traceback)",
                 err=True,
             )
@@ -111,11 +115,6 @@ class OneLineErrors(LazyGroup):
 
 
 _VERBOSE = 0
-
-
-def _command_path() -> str:
-    args = [a for a in sys.argv[1:] if not a.startswith("-")]
-    return f"kvwarm {args[0]}" if args and args[0] in COMMANDS else "kvwarm"
 
 
 def _one_line(text: str) -> str:

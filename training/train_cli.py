@@ -63,7 +63,8 @@ def _parse_params(pairs: tuple[str, ...]) -> dict[str, Any]:
     "horizon",
     default="60s",
     show_default=True,
-    help="H: predict reuse within (t, t+H]; e.g. 60s, 2m, 45000ms.",
+    help="H: predict reuse within (t, t+H]; with a unit: 60s, 2m, 45000ms.",
+    callback=lambda ctx, param, value: parse_duration_ms(value),
 )
 @click.option("--experiment", default="kvwarm", show_default=True, help="MLflow experiment name.")
 @click.option("--register", "register", default=None, help="Register the model under this name.")
@@ -102,7 +103,7 @@ def _parse_params(pairs: tuple[str, ...]) -> dict[str, Any]:
 def train(
     trace: Path,
     model: str,
-    horizon: str,
+    horizon: int,
     experiment: str,
     register: str | None,
     alias: str | None,
@@ -127,7 +128,7 @@ def train(
     try:
         config = TrainConfig(
             model=model,
-            horizon_ms=parse_duration_ms(horizon),
+            horizon_ms=horizon,
             train_fraction=train_fraction,
             seed=seed,
             model_params=_parse_params(params),
