@@ -35,7 +35,7 @@ from typing import Any
 
 from features.block_hash import Tokenize, decode_request_event
 from features.events import BlocksAccessed, Event, EventValidationError
-from serving.sources import EventSource
+from serving.sources import EventSource, ReportsReadiness
 
 log = logging.getLogger(__name__)
 
@@ -128,6 +128,11 @@ class IntakeSource:
     @property
     def exhausted(self) -> bool:
         return self.inner is not None and self.inner.exhausted and not self.intake.num_pending
+
+    @property
+    def ready(self) -> bool:
+        """The inner source's readiness (``/readyz``) when it reports one, else True."""
+        return self.inner.ready if isinstance(self.inner, ReportsReadiness) else True
 
     def _ours(self, event: Event) -> bool:
         other = getattr(event, "engine_id", None)
