@@ -311,6 +311,30 @@ def _reason_kind(reason: str) -> str:
     return reason or "unknown"
 
 
+class CacheLayerSink:
+    """Applies each batch to an executor over a real cache layer (``Executor``
+    protocol: ``apply(decisions) -> outcomes``; e.g. ``executor.adapters.lmcache``),
+    which the engine fills itself (no ``place_store``). Counts outcomes by (action,
+    status) and in the ack vocabulary (``acks``)."""
+
+    def __init__(self, executor: Any) -> None:
+        self.executor = executor
+        self.outcomes: Counter[tuple[str, str]] = Counter()
+        self.acks: Counter[str] = Counter()
+
+    def emit(self, decisions: Sequence[Decision]) -> int:
+        for d, outcome in zip(decisions, self.executor.apply(decisions), strict=True):
+            self.outcomes[(d.action, outcome.status)] += 1
+            self.acks[ack_status_of(outcome.status, outcome.reason)] += 1
+        return len(decisions)
+
+    def flush(self) -> None:
+        """Applied synchronously in ``emit``."""
+
+    def close(self) -> None:
+        self.executor.close()
+
+
 class FanOutSink:
     """Emits to every sink in order; flush and close reach all of them even when one
     raises (the first error is re-raised after)."""

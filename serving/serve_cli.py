@@ -40,6 +40,7 @@ from features.block_hash import load_tokenizer
 from features.decoders import TIME_UNITS, TraceFormatError
 from features.events import Event
 from serving.decisions import (
+    CacheLayerSink,
     DecisionMaker,
     DecisionSink,
     ExecutorSink,
@@ -264,6 +265,8 @@ class Service:
             raise ServeError(str(exc)) from None
 
         self.executor: Any = None
+        self.cache_layer: Any = None
+        """An executor over a real cache layer (``--executor lmcache:...``)."""
         tier_names, capacities = self._tiers()
         self.placement = Placement(list(tier_names), list(capacities))
         self.sidecar = MeteredSidecar(
@@ -284,6 +287,8 @@ class Service:
                 self.executor, block_size_bytes=settings.block_size_bytes
             )
             sinks.append(self.executor_sink)
+        if self.cache_layer is not None:
+            sinks.append(CacheLayerSink(self.cache_layer))
         for endpoint in settings.decision_endpoints:
             sinks.append(
                 open_sink(
@@ -305,6 +310,7 @@ class Service:
             on_store=self.executor_sink.place_store if self.executor_sink is not None else None,
         )
         self.sidecar.hooks.append(self._track_now)
+        self.sidecar.hooks.append(self._index_tokens)
         self.sidecar.hooks.append(self.decisions)
 
         self.intake: RequestIntake | None = None
@@ -372,7 +378,19 @@ class Service:
                 max(1, self.executor.tier(n).capacity_bytes // s.block_size_bytes) for n in names
             )
             return names, caps
+        if ep.scheme == "lmcache":
+            from executor.adapters.lmcache import LMCacheExecutor, params_from_url
+
+            self.cache_layer = LMCacheExecutor(params_from_url(ep.target))
         return s.tier_names, s.tier_capacities_blocks
+
+    def _index_tokens(self, event: Any, moves: Any, now_ms: int) -> None:
+        """Sidecar hook (before the decisions hook): a request's token ids, for the
+        cache layer that names blocks by tokens."""
+        if self.cache_layer is not None and event is not None and event.token_ids:
+            self.cache_layer.tokens.record(
+                event.block_hashes, event.token_ids, event.block_size_tokens
+            )
 
     def acks(self) -> dict[str, int]:
         """Acknowledgements counted by every sink that reads them, by status."""

@@ -22,6 +22,7 @@ import click
 import jsonschema
 import pytest
 
+from devtools.lmcache_standin import LMCacheStandIn
 from devtools.vllm_engine import TAGGED, EnginePublisher
 from executor.kvhints import SCHEMA_PATH, decisions_from_record
 from serving.request_intake import MAX_REQUEST_BODY_BYTES, IntakeSource, RequestIntake
@@ -211,3 +212,42 @@ def test_an_engine_id_the_zmq_source_does_not_name_fails_at_start(
     )
     with pytest.raises(click.UsageError, match="add engine=vllm-0 to the zmq:// URL"):
         Service(settings)
+
+
+def test_decisions_reach_lmcache_as_token_prefixes(publisher: EnginePublisher) -> None:
+    """--executor lmcache:...: the engine's CPU blocks, read by a posted request, are
+    prefetched in LMCache by the request's own tokens."""
+    offloaded = vllm_case("plain-16")  # 40 tokens: two 16-token blocks
+    with LMCacheStandIn(chunk_size=16) as lmcache:
+        settings = load_settings(
+            None,
+            source=publisher.url("vllm-0"),
+            executor=f"lmcache:{lmcache.url}?instance=mp-0&model=qwen&chunk_size=16",
+            engine_id="vllm-0",
+            http_port=0,
+            model_poll_interval_s=0,
+            prefetch=False,
+            poll_timeout_ms=20,
+        )
+        service = Service(settings).start()
+        runner = threading.Thread(target=service.run, daemon=True)
+        runner.start()
+        try:
+            assert service.http is not None
+
+            def engine_seen() -> bool:
+                return service.source.stats()["engines"]["vllm-0"]["last_seq"] is not None
+
+            publisher.heartbeat_until(engine_seen, timeout_s=10)
+            publisher.publish(stored_batch(offloaded["event_ids"], offloaded["tokens"][:32], "CPU"))
+            wait_for(lambda: len(service.placement) == 2)
+            body = {"engine_id": "vllm-0", "token_ids": offloaded["tokens"]}
+            assert post(service.http.url + "/v1/requests", json.dumps(body).encode())[0] == 202
+            wait_for(lambda: sum(1 for _, p, _ in lmcache.calls if p == "/cache/prefetches") == 2)
+        finally:
+            service.stop()
+            runner.join(timeout=10)
+            service.close()
+    prefetched = [b["token_ids"] for _, p, b in lmcache.calls if p == "/cache/prefetches"]
+    assert sorted(prefetched, key=len) == [offloaded["tokens"][:16], offloaded["tokens"][:32]]
+    assert all(b["instance_id"] == "mp-0" for _, p, b in lmcache.calls if p == "/cache/prefetches")
