@@ -15,6 +15,7 @@ tuple stands in), ranks, quotas, events. ``MPServerStandIn`` is the MP server si
 
 from __future__ import annotations
 
+import hashlib
 import json
 import threading
 from collections import Counter
@@ -65,12 +66,14 @@ class LMCacheStandIn:
         self.l1: set[Key] = set()
         self.l2: set[Key] = set()
         self.pins: Counter[Key] = Counter()
+        self._by_hex: dict[str, Key] = {}
         self.calls: list[tuple[str, str, Any]] = []
         self.healthy = True
         self._lock = threading.Lock()
         self._server = ThreadingHTTPServer(("127.0.0.1", 0), _handler(self))
         self._server.daemon_threads = True
-        self.url = f"http://127.0.0.1:{self._server.server_address[1]}"
+        self.port = int(self._server.server_address[1])
+        self.url = f"http://127.0.0.1:{self.port}"
         self._thread = threading.Thread(target=self._server.serve_forever, daemon=True)
         self._thread.start()
 
@@ -88,6 +91,18 @@ class LMCacheStandIn:
         """The chunk keys of a token sequence (complete chunks only)."""
         n = len(token_ids) // self.chunk_size
         return [tuple(token_ids[: (i + 1) * self.chunk_size]) for i in range(n)]
+
+    def encoded_key(self, key: Key, model_name: str = "", cache_salt: str = "") -> dict[str, Any]:
+        """An ``EncodedObjectKey``: a stand-in chunk hash (sha256 of the prefix)."""
+        digest = hashlib.sha256(repr(key).encode()).hexdigest()
+        self._by_hex[digest] = key
+        return {
+            "chunk_hash_hex": digest,
+            "model_name": model_name,
+            "kv_rank": 0,
+            "object_group_id": 0,
+            "cache_salt": cache_salt,
+        }
 
     def _instance(self, body: dict[str, Any]) -> None:
         if body.get("instance_id") not in self.instances:
@@ -195,13 +210,34 @@ class LMCacheStandIn:
                 ]
                 results.append(
                     {
-                        "key": {"chunk_hash_hex": format(hash(k) & (2**64 - 1), "016x")},
+                        "key": self.encoded_key(k, body["model_name"], body.get("cache_salt", "")),
                         "placements": placements,
                         "token_ids": [],
                         "access_count": 0,
                     }
                 )
             return {"chunks": len(keys), "results": results}
+        if (method, path) == ("GET", "/instances"):
+            return {
+                "instances": [
+                    {"instance_id": i, "ip": "127.0.0.1", "http_port": self.port, "metadata": {}}
+                    for i in sorted(self.instances)
+                ]
+            }
+        if (method, path) == ("GET", "/cache/pins"):
+            pins = [{"key": self.encoded_key(k), "pin_count": n} for k, n in self.pins.items()]
+            return {"total": len(pins), "pins": pins}
+        if (method, path) == ("DELETE", "/cache/objects"):  # the MP server's endpoint
+            _require(body, {"keys": list, "tier": str, "force": bool}, optional=("tier", "force"))
+            tier = body.get("tier", "l2")
+            deleted = 0
+            for encoded in body["keys"]:
+                key = self._by_hex.get(encoded.get("chunk_hash_hex", ""))
+                for name, held in (("l1", self.l1), ("l2", self.l2)):
+                    if key is not None and tier in (name, "all") and key in held:
+                        held.discard(key)
+                        deleted += 1
+            return {"deleted": deleted, "skipped": 0, "ok": True}
         if (method, path) == ("GET", "/instances/usage"):
             used = {"l1": len(self.l1) * self.chunk_bytes, "l2": len(self.l2) * self.chunk_bytes}
             return {

@@ -18,9 +18,9 @@ promote (to dram or hbm)    ``POST /cache/prefetches`` {instance_id, model_name,
                             chunks, status: submitted | noop}: warms LMCache's L1
                             (CPU memory) from L2; a promote to ``hbm`` is
                             ``clipped`` there, vLLM loads L1 into the GPU itself
-demote dram -> nvme         ``POST /cache/delete`` {..., tier: "l1"}: the L2 copy
-                            stays
-evict                       ``POST /cache/delete`` {..., tier: l1 | l2 | all}
+demote dram -> nvme         delete the block's chunk keys, tier ``l1``: the L2 copy
+                            stays (see below)
+evict                       the same, tier ``l1 | l2 | all``
 pin / unpin                 ``POST`` / ``DELETE /cache/pins`` {model_name,
                             world_size, token_ids, cache_salt} -> {requested,
                             affected, status}; LMCache pins hold L2 only
@@ -31,11 +31,11 @@ capacities / occupancy      ``GET /instances/usage`` -> {instances: [{instance_i
 health                      ``GET /healthz`` -> {status: "healthy"}
 ==========================  ======================================================
 
-Known limit: the coordinator's delete acts on every complete chunk of the token prefix
-it is given, so an evict or demote of block ``b`` also drops the chunks *before* b's
-chunk (extra cold reads later, never wrong data). Deleting b's chunk alone needs its
-LMCache keys (``/directory/lookup``) sent to the MP server's ``DELETE /cache/objects``
-while honouring the coordinator's L2 pins; not done yet.
+The coordinator's ``POST /cache/delete`` drops every chunk of the prefix it is given
+(an evict of block ``b`` would take b's ancestors with it), so demote and evict resolve
+b's chunk keys (``/directory/lookup``), refuse when the coordinator pins them in L2
+(``GET /cache/pins``), and delete only those keys on the MP server
+(``GET /instances`` -> ``DELETE /cache/objects {keys, tier, force}``).
 
 Tiers: LMCache's L1 is ``dram``, its L2 ``nvme``. Outcomes: a block whose tokens were
 never seen is ``missing`` (the adapter cannot name it to LMCache); a coordinator error
@@ -183,10 +183,13 @@ class LMCacheExecutor:
 
     # -- HTTP -------------------------------------------------------------------------------
 
-    def _call(self, method: str, path: str, body: dict[str, Any] | None = None) -> Any:
+    def _call(
+        self, method: str, path: str, body: dict[str, Any] | None = None, base: str | None = None
+    ) -> Any:
+        """One JSON call to the coordinator (or to ``base``, an MP server)."""
         data = None if body is None else json.dumps(body).encode()
         request = urllib.request.Request(
-            self.params.coordinator_url.rstrip("/") + path,
+            (base or self.params.coordinator_url).rstrip("/") + path,
             data=data,
             method=method,
             headers={"Content-Type": "application/json"},
@@ -203,8 +206,8 @@ class LMCacheExecutor:
             raise LMCacheError(f"{method} {path}: HTTP {exc.code} {detail}".strip()) from None
         except (urllib.error.URLError, TimeoutError, ConnectionError) as exc:
             raise LMCacheError(
-                f"{method} {path}: LMCache coordinator at {self.params.coordinator_url} "
-                f"unreachable ({exc}); is `lmcache coordinator` running there?"
+                f"{method} {path}: LMCache at {base or self.params.coordinator_url} "
+                f"unreachable ({exc}); is `lmcache coordinator` (and its MP server) running?"
             ) from None
 
     def _key_fields(self, token_ids: Sequence[int]) -> dict[str, Any]:
@@ -299,23 +302,56 @@ class LMCacheExecutor:
             tier = "l1"
         else:
             tier = LMCACHE_OF_TIER.get(d.from_tier or "", "all")
-        reply = self._call(
-            "POST",
-            "/cache/delete",
-            {
-                "instance_id": p.instance_id,
-                **self._key_fields(tokens),
-                "tier": tier,
-                "force": False,
-            },
-        )
-        if reply.get("status") == "noop":
+        # The coordinator's own delete takes a token prefix and drops every chunk of it;
+        # only the block's chunk should go, so resolve its keys and delete those.
+        keys = self._last_chunk_keys(tokens)
+        if not keys:
             return out("stale", "shorter than one LMCache chunk: nothing to delete")
-        if not reply.get("affected"):
+        if tier in ("l2", "all") and self._pinned(keys):
+            return out("refused_pinned", "LMCache pins the block's chunk in L2")
+        reply = self._call(
+            "DELETE",
+            "/cache/objects",
+            {"keys": keys, "tier": tier, "force": False},
+            base=self._mp_server_url(),
+        )
+        if not reply.get("deleted"):
             if reply.get("skipped"):
-                return out("refused_pinned", "LMCache kept locked or pinned keys")
+                return out("refused_pinned", "LMCache kept locked keys")
             return out("missing", "not cached in LMCache")
         return out("applied")
+
+    def _last_chunk_keys(self, tokens: list[int]) -> list[dict[str, Any]]:
+        """LMCache's keys (every rank) of the last whole chunk of ``tokens``."""
+        reply = self._call("POST", "/directory/lookup", self._key_fields(tokens))
+        results, chunks = reply.get("results") or [], int(reply.get("chunks") or 0)
+        if not results or not chunks:
+            return []
+        per_rank = max(1, len(results) // chunks)
+        return [dict(r["key"]) for r in results[-per_rank:]]
+
+    def _pinned(self, keys: list[dict[str, Any]]) -> bool:
+        """Whether the coordinator pins any of ``keys`` against L2 eviction."""
+        query = urllib.parse.urlencode(
+            {"model_name": self.params.model_name, "cache_salt": self.params.cache_salt}
+        )
+        reply = self._call("GET", f"/cache/pins?{query}&limit=10000")
+        pinned = {
+            (p["key"].get("chunk_hash_hex"), p["key"].get("kv_rank"))
+            for p in reply.get("pins") or []
+            if p.get("pin_count")
+        }
+        return any((k.get("chunk_hash_hex"), k.get("kv_rank")) in pinned for k in keys)
+
+    def _mp_server_url(self) -> str:
+        """``http://ip:port`` of this adapter's MP server, from the coordinator's registry."""
+        for inst in self._call("GET", "/instances").get("instances") or []:
+            if inst.get("instance_id") == self.params.instance_id:
+                return f"http://{inst['ip']}:{inst['http_port']}"
+        raise LMCacheError(
+            f"no MP server registered with instance_id={self.params.instance_id!r} "
+            "(GET /instances on the coordinator lists them)"
+        )
 
     def store(self, block: int, tier: str, size_bytes: int) -> Outcome:
         """Refused: the engine stores what it computes into LMCache itself; kvwarm never

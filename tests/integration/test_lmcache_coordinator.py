@@ -119,7 +119,14 @@ def test_adapter_drives_a_real_lmcache_coordinator(coordinator: str) -> None:
         prefetches = [b for m, p, b in mp.calls if p == "/cache/prefetches"]
         assert prefetches and prefetches[0]["token_ids"] == tokens[:512]
         deletes = [b for m, p, b in mp.calls if p == "/cache/objects"]
-        assert deletes and len(deletes[0]["keys"]) == 2 and deletes[0]["tier"] == "all"
+        # Only the block's chunk (the second), with the key the coordinator resolved.
+        lookup = call(
+            coordinator + "/directory/lookup",
+            "POST",
+            {"model_name": "qwen", "world_size": 1, "token_ids": tokens[:512]},
+        )
+        assert deletes and deletes[0]["keys"] == [lookup["results"][-1]["key"]]
+        assert deletes[0]["tier"] == "all"
         assert call(coordinator + "/cache/pins")["total"] == 0  # pinned, then unpinned
         assert ex.health()["status"] == "ok"
         assert ex.locate(block) is None  # no cache events reported placements

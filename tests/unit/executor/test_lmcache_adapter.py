@@ -79,6 +79,9 @@ def test_decisions_become_coordinator_calls_with_outcomes_in_order(lmcache: LMCa
     chunk2 = lmcache.keys(TOKENS)[1]
     assert chunk2 not in lmcache.l1 and chunk2 in lmcache.l2
     assert lmcache.keys(TOKENS)[0] not in lmcache.l2
+    # Deletes name one chunk's keys on the MP server, never the whole prefix.
+    deleted = [b["keys"] for m, p, b in lmcache.calls if p == "/cache/objects"]
+    assert [len(k) for k in deleted] == [1, 1]
 
 
 def test_the_adapter_never_evicts_on_its_own(lmcache: LMCacheStandIn) -> None:

@@ -103,10 +103,9 @@ def test_a_batch_applies_in_order_and_outcomes_align(setup) -> None:
     outcomes = ex.apply(batch)
     assert [o.decision_id for o in outcomes] == ["a", "b", "c"]
     assert {o.status for o in outcomes} <= set(OUTCOME_STATUSES)
-    assert ex.locate(blocks[6]) is None
-    # The documented limit: LMCache's coordinator deletes the whole token prefix, so
-    # evicting block 6 dropped block 0's chunk too (executor/adapters/lmcache.py).
-    assert ex.locate(blocks[0]) is None
+    # Only block 6's chunk went: its ancestors' chunks (block 0's among them) stay.
+    assert ex.locate(blocks[6]) is None and ex.locate(blocks[0]) == "nvme"
+    assert ex.locate(blocks[2]) == "nvme"
     occupancy, caps = ex.occupancy(), ex.capacities()
     assert all(size(occupancy[t]) <= size(caps[t]) for t in ex.tier_names)
 
