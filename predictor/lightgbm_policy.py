@@ -27,6 +27,11 @@ from pydantic import Field
 
 from predictor.base import PolicyLoadError, PolicyParams
 from predictor.learned import LearnedParams, LearnedPolicy
+from predictor.model_check import (
+    check_lightgbm_structure,
+    read_model_text,
+    without_tree_sizes,
+)
 
 MODEL_FILE = "model.txt"
 
@@ -185,8 +190,11 @@ class LightGBMPolicy(LearnedPolicy):
 
     def _read_model_files(self, directory: Path, manifest: dict[str, Any]) -> None:
         path = directory / MODEL_FILE
+        text = read_model_text(path)
+        # LightGBM trusts its file: a bad index segfaults and a cycle loops forever.
+        check_lightgbm_structure(text, path, len(self.feature_names))
         try:
-            self.booster = lgb.Booster(model_file=str(path))
+            self.booster = lgb.Booster(model_str=without_tree_sizes(text))
         except lgb.basic.LightGBMError as exc:
             raise PolicyLoadError(path, f"not a readable LightGBM text model ({exc})") from exc
         if self.booster.num_feature() != len(self.feature_names):
@@ -199,6 +207,8 @@ class LightGBMPolicy(LearnedPolicy):
             self.sigma_log = float(sigma_path.read_text())
         except (OSError, ValueError) as exc:
             raise PolicyLoadError(sigma_path, f"expected one float ({exc})") from exc
+        if not (math.isfinite(self.sigma_log) and self.sigma_log > 0):
+            raise PolicyLoadError(sigma_path, f"sigma must be finite and > 0, got {self.sigma_log}")
 
 
 def _erf(z: np.ndarray) -> np.ndarray:
