@@ -341,6 +341,10 @@ def _check_size(payload: bytes | str) -> None:
         )
 
 
+def _decoder_error(exc: Exception) -> EventValidationError:
+    return EventValidationError("<row>", f"{type(exc).__name__}: {exc}", "decoder_error")
+
+
 def _too_deep() -> EventValidationError:
     return EventValidationError(
         "<payload>", "nested too deeply (no kvwarm event nests more than a few levels)", "too_deep"
@@ -539,6 +543,9 @@ def read_trace(
                 latest_ts = event.ts_ms
             except EventValidationError as exc:
                 log.add(where, exc, raw)
+                continue
+            except Exception as exc:  # a decoder bug costs one row, never the stream
+                log.add(where, _decoder_error(exc), raw)
                 continue
             yield event
 

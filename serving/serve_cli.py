@@ -130,6 +130,9 @@ class MeteredSource:
     def commit(self) -> None:
         self.inner.commit()
 
+    def dead_letter(self, event: Event, reason: str, error: str) -> None:
+        self.inner.dead_letter(event, reason, error)
+
     def close(self) -> None:
         self.inner.close()
 

@@ -47,6 +47,7 @@ from features.events import (
     ResidencyEvent,
     Tier,
 )
+from serving.sources import record_dead_letter
 
 logger = logging.getLogger(__name__)
 
@@ -604,12 +605,24 @@ class ZmqEventSource:
         except EventValidationError as exc:
             self.rejects.add(f"{batch.engine_id}#{batch.seq}", exc, batch.payload.hex())
             return
+        except Exception as exc:  # a decoder bug must not stop the stream either
+            logger.exception("unexpected error decoding %s#%d", batch.engine_id, batch.seq)
+            error = EventValidationError(
+                "<payload>", f"{type(exc).__name__}: {exc}", "decoder_error"
+            )
+            self.rejects.add(f"{batch.engine_id}#{batch.seq}", error, batch.payload.hex())
+            return
         for event in events:
             view.apply(event)
         self._pending.extend(events)
 
     def commit(self) -> None:
         """ZMQ has no offsets to commit."""
+
+    def dead_letter(self, event: Event, reason: str, error: str) -> None:
+        """The loop could not handle ``event``: count it and keep it in the rejects file."""
+        engine_id = getattr(event, "engine_id", "")
+        record_dead_letter(self.rejects, f"{engine_id}:event", event, reason, error)
 
     def close(self) -> None:
         if self._closed:
