@@ -317,14 +317,14 @@ def read_model_text(path: Path) -> str:
     try:
         size_bytes = path.stat().st_size
         if size_bytes > MAX_MODEL_FILE_BYTES:
-            raise ModelProbeError(
+            raise ModelCheckError(
                 path, f"{size_bytes} bytes, more than the {MAX_MODEL_FILE_BYTES} allowed"
             )
         return path.read_bytes().decode("utf-8")
     except OSError as exc:
-        raise ModelProbeError(path, f"cannot read ({exc})") from exc
+        raise ModelCheckError(path, f"cannot read ({exc})") from exc
     except UnicodeDecodeError:
-        raise ModelProbeError(path, "not a text model (invalid UTF-8)") from None
+        raise ModelCheckError(path, "not a text model (invalid UTF-8)") from None
 
 
 # --- LSTM weights ------------------------------------------------------------------------
@@ -338,6 +338,6 @@ def check_lstm_weights(state: dict[str, Any], path: str | Path) -> None:
     for name, tensor in state.items():
         values = tensor.detach().float()
         if not bool(values.isfinite().all()):
-            raise ModelProbeError(path, f"weights {name!r} hold nan or inf")
+            raise ModelCheckError(path, f"weights {name!r} hold nan or inf")
         if name.endswith("_std") and bool((values <= 0).any()):
-            raise ModelProbeError(path, f"normaliser {name!r} has a std <= 0 (divides by zero)")
+            raise ModelCheckError(path, f"normaliser {name!r} has a std <= 0 (divides by zero)")
