@@ -4,9 +4,10 @@ Each policy runs in a fresh child process (so one policy's freed memory never hi
 another's growth) and is fed requests of ``--blocks-per-request`` never-seen blocks,
 the way the sidecar feeds it: ``observe`` then ``score`` of the request's blocks. The
 child samples its RSS (``/proc/self/statm``) at ``--samples`` points. Reported per
-policy: RSS at the start, at 50% and at the end of the stream, the growth over the
-second half (a plateau is ~0), and the ratio of the final RSS to the same stream on an
-uncapped LRU (``lru-uncapped``, the pre-cap behaviour) run by the same command.
+policy: RSS at the start and at 25/50/75/100% of the stream, the growth over the last
+quarter (a plateau is ~0 once the cap is reached), and the ratio of the final RSS to
+the same stream on an uncapped LRU (``lru-uncapped``, the pre-cap behaviour) run by
+the same command.
 
 Learned policies (``lightgbm``) get a tiny model fitted in the child on synthetic rows:
 what is measured is their online feature state, which is what grows with blocks.
@@ -113,15 +114,15 @@ def soak(num_blocks: int, per_request: int, samples: int, policies: str, cap: in
     results = run_soak(names, num_blocks, per_request, samples, cap)
     baseline = results.get("lru-uncapped")
     click.echo(
-        f"{'policy':<14}{'start MB':>10}{'50% MB':>10}{'end MB':>10}{'2nd-half growth':>17}"
-        f"{'vs uncapped LRU':>17}{'seconds':>9}"
+        f"{'policy':<14}{'start':>7}{'25%':>7}{'50%':>7}{'75%':>7}{'end MB':>8}"
+        f"{'last-quarter growth':>21}{'vs uncapped LRU':>17}{'seconds':>9}"
     )
     for name, r in results.items():
         pts = r["points"]
-        start, half, end = pts[0][1], _at(pts, 0.5), pts[-1][1]
-        ratio = f"{end / baseline['points'][-1][1]:.2f}x" if baseline else "-"
+        marks = [pts[0][1], _at(pts, 0.25), _at(pts, 0.5), _at(pts, 0.75), pts[-1][1]]
+        ratio = f"{marks[-1] / baseline['points'][-1][1]:.2f}x" if baseline else "-"
+        cells = "".join(f"{m:>7.0f}" for m in marks[:4]) + f"{marks[4]:>8.0f}"
         click.echo(
-            f"{name:<14}{start:>10.0f}{half:>10.0f}{end:>10.0f}{end - half:>+15.0f}MB"
-            f"{ratio:>17}{r['seconds']:>9.1f}"
+            f"{name:<14}{cells}{marks[4] - marks[3]:>+19.0f}MB{ratio:>17}{r['seconds']:>9.1f}"
         )
     click.echo(f"({num_blocks:,} distinct blocks, {per_request} per request, one child per policy)")
