@@ -31,8 +31,9 @@ from pydantic import Field
 from features.events import BlocksAccessed, Event
 from predictor.base import Policy, PolicyParams, as_hash_array
 
-DEFAULT_MAX_TRACKED_BLOCKS = 2_000_000
-"""Default cap on blocks a baseline tracks (about 200 MB of tracking state)."""
+DEFAULT_MAX_TRACKED_BLOCKS = 1_000_000
+"""Default cap on blocks a baseline tracks: over 3x the default tiers together (299,008
+blocks), so LRU stays exact for them; about 100 MB of tracking state."""
 
 EVICT_FRACTION = 0.125
 """Share of the tracked blocks forgotten at once when the table is full."""
