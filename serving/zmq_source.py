@@ -37,7 +37,7 @@ from urllib.parse import parse_qs, urlsplit
 
 import zmq
 
-from features.decoders import RejectLog, decode_kv_event_batch
+from features.decoders import MAX_MESSAGE_BYTES, RejectLog, decode_kv_event_batch
 from features.events import (
     AllBlocksCleared,
     BlockRemoved,
@@ -245,6 +245,9 @@ class ZmqSubscriber:
             sock = self._ctx.socket(zmq.SUB)
             sock.setsockopt(zmq.LINGER, 0)
             sock.setsockopt(zmq.RCVHWM, rcv_hwm)
+            # A frame over the decoders' bound is refused by libzmq before it is buffered
+            # (the peer is disconnected and reconnects), so no message costs more memory.
+            sock.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
             sock.setsockopt(zmq.SUBSCRIBE, engine.topic.encode())
             sock.connect(engine.endpoint)
             self._subs[engine.engine_id] = sock
@@ -326,6 +329,7 @@ class ZmqSubscriber:
             assert engine.replay_endpoint is not None
             sock = self._ctx.socket(zmq.DEALER)
             sock.setsockopt(zmq.LINGER, 0)
+            sock.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
             sock.connect(engine.replay_endpoint)
             self._replays[engine.engine_id] = sock
         return sock
