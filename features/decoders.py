@@ -142,6 +142,11 @@ def timestamp_ms(value: Any, unit: str, field: str = "ts_ms") -> int:
         if value is None:
             raise EventValidationError(field, "is missing", "missing_field")
         raise EventValidationError(field, f"expected a number, got {value!r:.40}", "bad_type")
+    if isinstance(number, int) and not -MAX_RAW_TIMESTAMP < number < MAX_RAW_TIMESTAMP:
+        # Before any float conversion: a 400-digit integer overflows it.
+        raise EventValidationError(
+            field, f"a {number.bit_length()}-bit integer {unit} is out of range", "ts_out_of_range"
+        )
     ms = number * _MS_PER_UNIT[unit] if unit != "ms" else number
     if not math.isfinite(ms):
         raise EventValidationError(
@@ -241,7 +246,7 @@ def _check_bounds(
         and not isinstance(ts, bool)
         and not (-MAX_RAW_TIMESTAMP < ts < MAX_RAW_TIMESTAMP)
     ):
-        shown = f"{ts:.3g}" if isinstance(ts, float) else f"of {len(str(abs(ts)))} digits"
+        shown = f"{ts:.3g}" if isinstance(ts, float) else f"of {ts.bit_length()} bits"
         raise EventValidationError(
             ts_key, f"timestamp {shown} is outside [0, 2^62); check its unit", "ts_out_of_range"
         )

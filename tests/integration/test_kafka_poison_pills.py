@@ -36,13 +36,13 @@ PILLS: list[tuple[bytes, str]] = [
     (
         b'{"ts_ms": ' + b"9" * 400 + b', "request_id": "p1", "block_hashes": [1], '
         b'"block_size_tokens": 16}',
-        "out_of_range",
+        "ts_out_of_range",
     ),  # fmt: skip
     (
         json.dumps(
             {"ts_ms": 2**63 - 1, "request_id": "p2", "block_hashes": [1], "block_size_tokens": 16}
         ).encode(),
-        "out_of_range",
+        "ts_out_of_range",
     ),  # fmt: skip
     (b"[" * 1000 + b"]" * 1000, "too_deep"),
 ]
@@ -81,11 +81,11 @@ def test_poison_pills_are_dead_lettered_and_the_offset_moves_past_them(
             sidecar.run(source, batch_size=64, poll_timeout_ms=200, max_events=64)
         stats = source.stats()
     assert sidecar.stats.requests == NUM_VALID - 1
-    assert stats["dead_letters_by_reason"] == {"out_of_range": 6, "too_deep": 3, "handler_error": 1}
+    assert stats["dead_letters_by_reason"] == {"ts_out_of_range": 6, "too_deep": 3, "handler_error": 1}
 
     letters = read_topic(kafka_bootstrap, topic + ".dlq")
     reasons = sorted(r.headers[HEADER_REASON].decode() for r in letters)
-    assert reasons == sorted(["out_of_range"] * 6 + ["too_deep"] * 3 + ["handler_error"])
+    assert reasons == sorted(["ts_out_of_range"] * 6 + ["too_deep"] * 3 + ["handler_error"])
     handler_letter = next(r for r in letters if r.headers[HEADER_REASON] == b"handler_error")
     assert json.loads(handler_letter.value)["request_id"] == POISON_REQUEST
 

@@ -61,7 +61,7 @@ def test_a_deep_kv_event_batch_is_too_deep():
 def test_absurd_timestamps_are_rejected_at_decode_time(ts):
     with pytest.raises(EventValidationError) as info:
         decoders.decode_mooncake(_row(ts), "r")
-    assert info.value.reason == "out_of_range" and "timestamp" in str(info.value)
+    assert info.value.reason == "ts_out_of_range" and "timestamp" in str(info.value)
     canonical = {"ts_ms": ts, "request_id": "r", "block_hashes": [1], "block_size_tokens": 16}
     with pytest.raises(EventValidationError):
         decoders.decode_canonical(canonical)
@@ -71,7 +71,7 @@ def test_a_400_digit_timestamp_line_is_a_reject_and_its_neighbours_survive(tmp_p
     lines = [json.dumps(_row(5)), '{"timestamp": ' + "9" * 400 + ', "input_length": 1, '
              '"hash_ids": [1]}', json.dumps(_row(6))]  # fmt: skip
     ts, rejects = _read(_write(tmp_path / "t.jsonl", lines))
-    assert ts == [5, 6] and rejects.counts == {"out_of_range": 1}
+    assert ts == [5, 6] and rejects.counts == {"ts_out_of_range": 1}
 
 
 def test_token_counts_and_request_sizes_are_bounded():
