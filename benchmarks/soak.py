@@ -42,7 +42,7 @@ def _make(name: str, max_tracked_blocks: int | None) -> Any:
     if name in ("lru", "lfu", "prefix_lru"):
         params = {} if max_tracked_blocks is None else {"max_tracked_blocks": max_tracked_blocks}
         return make_policy(name, params)
-    policy = make_policy(name, {"num_boost_round": 3, "min_data_in_leaf": 5, "num_leaves": 4})
+    policy: Any = make_policy(name, {"num_boost_round": 3, "min_data_in_leaf": 5, "num_leaves": 4})
     if max_tracked_blocks is not None:
         from dataclasses import replace
 

@@ -342,9 +342,9 @@ class ModelManager:
                 exc,
                 FALLBACK_POLICY,
             )
-            fallback = make_policy(FALLBACK_POLICY)
-            status = ModelStatus(self.spec, fallback.name, "fallback", kind, str(exc))
-            return self._install(fallback, status)
+            lru = make_policy(FALLBACK_POLICY)
+            status = ModelStatus(self.spec, lru.name, "fallback", kind, str(exc))
+            return self._install(lru, status)
         log.info("serving model %r: policy %s version %s", self.spec, policy.name, version)
         return self._install(policy, ModelStatus(self.spec, policy.name, version))
 
@@ -510,11 +510,11 @@ class GuardedPolicy(Policy):
         return getattr(self.active, attr)
 
     @property  # type: ignore[override]
-    def name(self) -> str:
+    def name(self) -> str:  # type: ignore[override]
         return self.active.name
 
     @property  # type: ignore[override]
-    def outputs_probability(self) -> bool:
+    def outputs_probability(self) -> bool:  # type: ignore[override]
         return self.active.outputs_probability
 
     def observe(self, event: Any) -> None:
