@@ -117,8 +117,8 @@ class _BlockTable:
         )
 
 
-class BaselineParams(PolicyParams):
-    """LRU and LFU: only the cap on tracked blocks."""
+class _TrackingParams(PolicyParams):
+    """The cap every table-based baseline takes."""
 
     max_tracked_blocks: int = Field(
         DEFAULT_MAX_TRACKED_BLOCKS,
@@ -129,7 +129,11 @@ class BaselineParams(PolicyParams):
     )
 
 
-class PrefixLRUParams(BaselineParams):
+class BaselineParams(_TrackingParams):
+    """LRU and LFU: only the cap on tracked blocks."""
+
+
+class PrefixLRUParams(_TrackingParams):
     max_depth: int = Field(
         1023,
         ge=1,
@@ -140,7 +144,7 @@ class PrefixLRUParams(BaselineParams):
 
 
 class _TablePolicy(Policy):
-    params: BaselineParams
+    params: _TrackingParams
 
     def __init__(self, params: PolicyParams | None = None) -> None:
         super().__init__(params)

@@ -149,6 +149,8 @@ def test_serve_refuses_a_segfaulting_model_then_swaps_in_a_good_one_and_keeps_it
         [
             "--model",
             str(live),
+            "--fallback",
+            "lru",
             "--source",
             "zmq://127.0.0.1:1",
             "--clock",
