@@ -81,7 +81,11 @@ def test_poison_pills_are_dead_lettered_and_the_offset_moves_past_them(
             sidecar.run(source, batch_size=64, poll_timeout_ms=200, max_events=64)
         stats = source.stats()
     assert sidecar.stats.requests == NUM_VALID - 1
-    assert stats["dead_letters_by_reason"] == {"ts_out_of_range": 6, "too_deep": 3, "handler_error": 1}
+    assert stats["dead_letters_by_reason"] == {
+        "ts_out_of_range": 6,
+        "too_deep": 3,
+        "handler_error": 1,
+    }
 
     letters = read_topic(kafka_bootstrap, topic + ".dlq")
     reasons = sorted(r.headers[HEADER_REASON].decode() for r in letters)
