@@ -7,7 +7,7 @@ KVWARM := $(VENV)/bin/kvwarm
 STAMP := $(VENV)/.installed
 PYTEST_ARGS ?=
 
-.PHONY: demo test lint format bench install clean system-deps kafka-jars
+.PHONY: demo test chaos lint format bench install clean system-deps kafka-jars
 
 # Installing twice is fast: the stamp is newer than pyproject.toml unless it changed.
 $(STAMP): pyproject.toml
@@ -30,6 +30,10 @@ kafka-jars: install
 
 test: install kafka-jars
 	$(PY) -m pytest $(PYTEST_ARGS)
+
+# The chaos and fuzz suite alone (issue 18); `make test` runs it too.
+chaos: install kafka-jars
+	$(PY) -m pytest -m chaos -s $(PYTEST_ARGS)
 
 lint: install
 	$(VENV)/bin/ruff check features predictor training serving executor benchmarks devtools tests

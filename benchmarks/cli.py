@@ -34,6 +34,10 @@ BENCHES: dict[str, tuple[str, str]] = {
         "benchmarks.sidecar:serve_bench",
         "Sidecar block accesses/s and event-to-decision latency vs LRU.",
     ),
+    "soak": (
+        "benchmarks.soak:soak",
+        "RSS per policy over millions of distinct blocks (plateau), vs an uncapped LRU.",
+    ),
     "zmq": (
         "benchmarks.zmq_events:bench_zmq",
         "KV events/s from ZMQ (and bridged into Kafka) vs decode from memory.",

@@ -16,6 +16,20 @@ Primitives:
 
 Every failure raises or records ``EventValidationError`` with a short ``reason`` tag;
 a bad row never costs a neighbouring good one.
+
+Bounds (every input is bounded before it can cost memory, stack or an overflow):
+
+- a line or message longer than ``MAX_MESSAGE_BYTES`` is rejected (``too_large``)
+  without being held whole: a trace line is read in slices and skipped;
+- nesting deeper than the decoder's recursion limit is rejected (``too_deep``), never a
+  ``RecursionError`` out of a source;
+- a request of more than ``MAX_BLOCKS_PER_REQUEST`` blocks is rejected (``too_large``);
+- a raw timestamp outside ``[0, MAX_RAW_TIMESTAMP)`` or a token count of
+  ``MAX_TOKENS`` or more is rejected (``out_of_range``), so no later int64 or float
+  conversion overflows;
+- a truncated or corrupt gzip trace ends the stream with one ``corrupt_file`` reject
+  naming the line where it broke; the events before it are kept;
+- a rejects file keeps at most ``MAX_REJECT_RAW_CHARS`` of each raw input.
 """
 
 from __future__ import annotations
@@ -26,6 +40,7 @@ import io
 import json
 import math
 import os
+import zlib
 from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
@@ -56,6 +71,23 @@ tolerance are kept with their timestamp raised to the latest seen, so consumers 
 see a non-decreasing clock."""
 
 TRACE_FORMATS = ("auto", "mooncake", "jsonl", "csv")
+
+MAX_MESSAGE_BYTES = 32 << 20
+"""Longest trace line or stream message accepted (32 MiB): a request of
+``MAX_BLOCKS_PER_REQUEST`` 20-digit hashes fits with room to spare."""
+
+MAX_BLOCKS_PER_REQUEST = 1 << 20
+"""Most blocks one request may name (1,048,576: a 16M-token prompt at 16 tokens/block)."""
+
+MAX_RAW_TIMESTAMP = 1 << 62
+"""Raw timestamps (any unit) at or above this are rejected at decode time: headroom so
+that sums and differences of two timestamps still fit int64."""
+
+MAX_TOKENS = 1 << 40
+"""Token counts and block sizes at or above this are rejected (no real prompt is near)."""
+
+MAX_REJECT_RAW_CHARS = 4_096
+"""How much of a rejected input a rejects file keeps (a prefix, plus its full length)."""
 
 TIME_UNITS = ("auto", "s", "ms", "us", "ns")
 """Units a trace's timestamps may be in (``--time-unit``). ``auto`` decides once, from
@@ -112,6 +144,11 @@ def timestamp_ms(value: Any, unit: str, field: str = "ts_ms") -> int:
         if value is None:
             raise EventValidationError(field, "is missing", "missing_field")
         raise EventValidationError(field, f"expected a number, got {value!r:.40}", "bad_type")
+    if isinstance(number, int) and not -MAX_RAW_TIMESTAMP < number < MAX_RAW_TIMESTAMP:
+        # Before any float conversion: a 400-digit integer overflows it.
+        raise EventValidationError(
+            field, f"a {number.bit_length()}-bit integer {unit} is out of range", "ts_out_of_range"
+        )
     ms = number * _MS_PER_UNIT[unit] if unit != "ms" else number
     if not math.isfinite(ms):
         raise EventValidationError(
@@ -175,9 +212,18 @@ class RejectLog:
             if self._fh is None:
                 self.path.parent.mkdir(parents=True, exist_ok=True)
                 self._fh = open(self.path, "a", encoding="utf-8")
+            raw_len = len(raw)
+            raw = raw[:MAX_REJECT_RAW_CHARS]
             if isinstance(raw, bytes):
                 raw = raw.decode("utf-8", errors="replace")
-            record = {"where": where, "reason": error.reason, "error": str(error), "raw": raw}
+            record: dict[str, Any] = {
+                "where": where,
+                "reason": error.reason,
+                "error": str(error)[:MAX_REJECT_RAW_CHARS],
+                "raw": raw,
+            }
+            if raw_len > MAX_REJECT_RAW_CHARS:
+                record["raw_truncated_from"] = raw_len
             self._fh.write(json.dumps(record) + "\n")
 
     def close(self) -> None:
@@ -192,12 +238,48 @@ def _require(obj: dict[str, Any], name: str) -> Any:
     return obj[name]
 
 
+def _check_bounds(
+    obj: dict[str, Any], ts_key: str, blocks_key: str, count_keys: tuple[str, ...]
+) -> None:
+    """Range guards applied to raw values before ``BlocksAccessed.validated``."""
+    ts = obj.get(ts_key)
+    if (
+        isinstance(ts, (int, float))
+        and not isinstance(ts, bool)
+        and not (-MAX_RAW_TIMESTAMP < ts < MAX_RAW_TIMESTAMP)
+    ):
+        shown = f"{ts:.3g}" if isinstance(ts, float) else f"of {ts.bit_length()} bits"
+        raise EventValidationError(
+            ts_key, f"timestamp {shown} is outside [0, 2^62); check its unit", "ts_out_of_range"
+        )
+    for key in count_keys:
+        value = obj.get(key)
+        if (
+            isinstance(value, (int, float))
+            and not isinstance(value, bool)
+            and not (-MAX_TOKENS < value < MAX_TOKENS)
+        ):
+            raise EventValidationError(key, f"{value:.3g} is outside [0, 2^40)", "out_of_range")
+    blocks = obj.get(blocks_key)
+    if isinstance(blocks, (list, tuple)) and len(blocks) > MAX_BLOCKS_PER_REQUEST:
+        raise EventValidationError(
+            blocks_key,
+            f"{len(blocks)} blocks, at most {MAX_BLOCKS_PER_REQUEST} per request",
+            "too_large",
+        )
+
+
+_MOONCAKE_COUNTS = ("input_length", "output_length", "block_size_tokens")
+_CANONICAL_COUNTS = ("input_tokens", "output_tokens", "block_size_tokens")
+
+
 def decode_mooncake(obj: Any, request_id: str) -> BlocksAccessed:
     """One Mooncake trace row: ``{timestamp, input_length, output_length, hash_ids}``."""
     if not isinstance(obj, dict):
         raise EventValidationError(
             "<row>", f"expected a JSON object, got {type(obj).__name__}", "not_object"
         )
+    _check_bounds(obj, "timestamp", "hash_ids", _MOONCAKE_COUNTS)
     hash_ids = _require(obj, "hash_ids")
     event = BlocksAccessed.validated(
         ts_ms=_require(obj, "timestamp"),
@@ -218,6 +300,7 @@ def decode_canonical(obj: Any, request_id: str | None = None) -> BlocksAccessed:
         raise EventValidationError(
             "<row>", f"expected a JSON object, got {type(obj).__name__}", "not_object"
         )
+    _check_bounds(obj, "ts_ms", "block_hashes", _CANONICAL_COUNTS)
     rid = obj.get("request_id") or request_id
     if rid is None:
         raise EventValidationError("request_id", "is missing", "missing_field")
@@ -339,11 +422,33 @@ def decode_kv_event_batch(payload: bytes, engine_id: str = "") -> list[Residency
     positional array ``["BlockStored", hashes, parent, ...]`` (older releases). The whole
     batch is rejected if any event in it is malformed: a batch is one engine step.
     """
+    _check_size(payload)
     try:
         batch = msgspec.msgpack.decode(payload)
     except (msgspec.DecodeError, ValueError) as exc:
         raise EventValidationError("<payload>", f"not msgpack: {exc}", "not_msgpack") from None
+    except RecursionError:
+        raise _too_deep() from None
     return kv_events_from_batch(batch, engine_id)
+
+
+def _check_size(payload: bytes | str) -> None:
+    if len(payload) > MAX_MESSAGE_BYTES:
+        raise EventValidationError(
+            "<payload>",
+            f"{len(payload)} bytes, more than the {MAX_MESSAGE_BYTES} accepted",
+            "too_large",
+        )
+
+
+def _decoder_error(exc: Exception) -> EventValidationError:
+    return EventValidationError("<row>", f"{type(exc).__name__}: {exc}", "decoder_error")
+
+
+def _too_deep() -> EventValidationError:
+    return EventValidationError(
+        "<payload>", "nested too deeply (no kvwarm event nests more than a few levels)", "too_deep"
+    )
 
 
 def kv_events_from_batch(batch: Any, engine_id: str = "") -> list[ResidencyEvent]:
@@ -377,12 +482,15 @@ def kv_events_from_batch(batch: Any, engine_id: str = "") -> list[ResidencyEvent
 def decode_message(payload: bytes, request_id: str = "", engine_id: str = "") -> list[Any]:
     """Decode one stream message: JSON (canonical or Mooncake access event, or a JSON
     list of them) or a msgpack ``KVEventBatch``. Returns the events it holds."""
+    _check_size(payload)
     head = payload.lstrip()[:1]
     if head in (b"{", b"["):
         try:
             obj = _json_decoder.decode(payload)
         except (msgspec.DecodeError, ValueError) as exc:
             raise EventValidationError("<payload>", f"broken JSON: {exc}", "bad_json") from None
+        except RecursionError:
+            raise _too_deep() from None
         if isinstance(obj, list):
             return [decode_access_object(o, f"{request_id}/{i}") for i, o in enumerate(obj)]
         return [decode_access_object(obj, request_id)]
@@ -390,6 +498,10 @@ def decode_message(payload: bytes, request_id: str = "", engine_id: str = "") ->
 
 
 # --- trace files ---------------------------------------------------------------------
+
+
+_GZIP_ERRORS = (EOFError, OSError, zlib.error)
+"""What reading a truncated or corrupt gzip stream raises (``BadGzipFile`` is an OSError)."""
 
 
 def _open_text(path: Path) -> IO[str]:
@@ -405,22 +517,51 @@ def detect_format(path: Path) -> str:
     name = path.name.lower().removesuffix(".gz")
     if name.endswith(".csv"):
         return "csv"
-    with _open_text(path) as fh:
-        for line in fh:
-            line = line.strip()
-            if not line:
-                continue
-            try:
-                obj = json.loads(line)
-            except ValueError:
-                raise TraceFormatError(
-                    f"{path}: first line is not JSON and the name does not end in .csv; "
-                    "pass --format mooncake|jsonl|csv"
-                ) from None
-            if isinstance(obj, dict) and "hash_ids" in obj:
-                return "mooncake"
-            return "jsonl"
+    try:
+        with _open_text(path) as fh:
+            for _line_no, line, too_long in _bounded_lines(fh):
+                if too_long:
+                    return "jsonl"  # only JSON lines get this long; the row is a reject
+                line = line.strip()
+                if not line:
+                    continue
+                try:
+                    obj = _json_decoder.decode(line)
+                except (msgspec.DecodeError, ValueError, RecursionError):
+                    raise TraceFormatError(
+                        f"{path}: first line is not JSON and the name does not end in .csv; "
+                        "pass --format mooncake|jsonl|csv"
+                    ) from None
+                if isinstance(obj, dict) and "hash_ids" in obj:
+                    return "mooncake"
+                return "jsonl"
+    except _GZIP_ERRORS as exc:
+        raise TraceFormatError(
+            f"{path}: cannot read it ({type(exc).__name__}: {exc}); a truncated or corrupt "
+            "gzip file? check it with `gzip -t`"
+        ) from None
     return "jsonl"
+
+
+def _bounded_lines(fh: IO[str], max_chars: int | None = None) -> Iterator[tuple[int, str, bool]]:
+    """(line number, line, too long) per line, holding at most ``max_chars`` of one line:
+    the rest of a longer line is read in slices and dropped (its first slice is kept)."""
+    max_chars = max_chars or MAX_MESSAGE_BYTES  # read at call time: tests lower it
+    line_no = 0
+    while True:
+        line = fh.readline(max_chars)
+        if not line:
+            return
+        line_no += 1
+        if len(line) < max_chars or line.endswith("\n"):
+            yield line_no, line, False
+            continue
+        head = line
+        while True:  # skip the rest of the over-long line
+            more = fh.readline(max_chars)
+            if not more or more.endswith("\n"):
+                break
+        yield line_no, head, True
 
 
 def _csv_rows(fh: IO[str]) -> Iterator[tuple[int, dict[str, Any] | EventValidationError, str]]:
@@ -429,7 +570,15 @@ def _csv_rows(fh: IO[str]) -> Iterator[tuple[int, dict[str, Any] | EventValidati
         raise TraceFormatError(
             "CSV trace needs a header with at least ts_ms, block_hashes, block_size_tokens"
         )
-    for row in reader:
+    while True:
+        try:
+            row = next(reader)
+        except StopIteration:
+            return
+        except csv.Error as exc:  # a field over csv's size limit, a NUL byte ...
+            error = EventValidationError("<row>", f"unreadable CSV row: {exc}", "bad_csv")
+            yield reader.line_num, error, ""
+            continue
         line_no = reader.line_num
         raw = ",".join(str(v) for v in row.values())
         try:
@@ -518,7 +667,7 @@ def _read_trace(
             rows = _csv_rows(fh)
         else:
             rows = _json_rows(fh)
-        for line_no, obj, raw in rows:
+        for line_no, obj, raw in _guarded_rows(path, rows):
             where = f"{path.name}:{line_no}"
             try:
                 if isinstance(obj, EventValidationError):
@@ -553,11 +702,43 @@ def _read_trace(
             except EventValidationError as exc:
                 log.add(where, exc, raw)
                 continue
+            except Exception as exc:  # a decoder bug costs one row, never the stream
+                log.add(where, _decoder_error(exc), raw)
+                continue
             yield event
 
 
+def _guarded_rows(
+    path: Path, rows: Iterator[tuple[int, Any, str]]
+) -> Iterator[tuple[int, Any, str]]:
+    """``rows``, ending with one ``corrupt_file`` reject row if the file breaks mid-way
+    (a truncated or corrupt gzip stream): the rows before it are kept."""
+    line_no = 0
+    try:
+        for row in rows:
+            line_no = row[0]
+            yield row
+    except _GZIP_ERRORS as exc:
+        yield (
+            line_no + 1,
+            EventValidationError(
+                "<file>",
+                f"{path.name} breaks after line {line_no} ({type(exc).__name__}: {exc}): "
+                "truncated or corrupt; the rows before it were read",
+                "corrupt_file",
+            ),
+            "",
+        )
+
+
 def _json_rows(fh: IO[str]) -> Iterator[tuple[int, Any, str]]:
-    for line_no, line in enumerate(fh, start=1):
+    for line_no, line, too_long in _bounded_lines(fh):
+        if too_long:
+            error = EventValidationError(
+                "<line>", f"longer than {MAX_MESSAGE_BYTES} characters", "too_large"
+            )
+            yield line_no, error, line  # the rejects file keeps a prefix of it
+            continue
         if not line.strip():
             continue
         try:
@@ -568,3 +749,5 @@ def _json_rows(fh: IO[str]) -> Iterator[tuple[int, Any, str]]:
                 EventValidationError("<line>", f"broken JSON: {exc}", "bad_json"),
                 line.rstrip("\n"),
             )
+        except RecursionError:
+            yield line_no, _too_deep(), line.rstrip("\n")

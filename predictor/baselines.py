@@ -12,6 +12,15 @@ score vectorised. Eviction order = ascending score, so each reproduces its cache
 - ``prefix_lru``: SGLang radix-cache style. A request touches its whole prefix, so a
   block's last request is the radix node's last access; among blocks last used by the
   same request the deepest (leaf) ranks lowest, as the radix tree evicts leaves first.
+
+Bounded memory: each policy tracks at most ``max_tracked_blocks`` blocks (its
+``Params``). When a new block arrives at a full table, the least recently accessed
+``EVICT_FRACTION`` of the tracked blocks are forgotten at once (one vectorised pass, so
+the cost per access stays O(1) amortised). A forgotten block scores as never seen, the
+floor, below every tracked block. For LRU that is exactly where it ranked anyway, so
+LRU stays exact for any cache smaller than the cap; LFU forgets the counts of blocks
+idle longest (a windowed LFU); prefix LRU forgets the oldest radix nodes. Memory is
+about 50 bytes per tracked block in the arrays plus the hash -> slot dict.
 """
 
 from __future__ import annotations
@@ -22,36 +31,77 @@ from pydantic import Field
 from features.events import BlocksAccessed, Event
 from predictor.base import Policy, PolicyParams, as_hash_array
 
+DEFAULT_MAX_TRACKED_BLOCKS = 1_000_000
+"""Default cap on blocks a baseline tracks: over 3x the default tiers together (299,008
+blocks), so LRU stays exact for them; about 100 MB of tracking state."""
+
+EVICT_FRACTION = 0.125
+"""Share of the tracked blocks forgotten at once when the table is full."""
+
+_ARRAYS = ("last_access", "last_request", "count", "depth", "hash_of")
+
 
 class _BlockTable:
-    """Per-block last access (block and request clocks), count and chain depth."""
+    """Per-block last access (block and request clocks), count and chain depth, for at
+    most ``max_blocks`` blocks (the least recently accessed are forgotten first)."""
 
-    def __init__(self, initial_capacity: int = 1024) -> None:
+    def __init__(
+        self, initial_capacity: int = 1024, max_blocks: int = DEFAULT_MAX_TRACKED_BLOCKS
+    ) -> None:
+        self.max_blocks = max_blocks
         self.slot_of: dict[int, int] = {}
-        self.last_access = np.zeros(initial_capacity, dtype=np.int64)
-        self.last_request = np.zeros(initial_capacity, dtype=np.int64)
-        self.count = np.zeros(initial_capacity, dtype=np.int64)
-        self.depth = np.zeros(initial_capacity, dtype=np.int64)
+        capacity = min(initial_capacity, max_blocks)
+        self.last_access = np.zeros(capacity, dtype=np.int64)
+        self.last_request = np.zeros(capacity, dtype=np.int64)
+        self.count = np.zeros(capacity, dtype=np.int64)
+        self.depth = np.zeros(capacity, dtype=np.int64)
+        self.hash_of = np.zeros(capacity, dtype=np.uint64)
+        self.free_slots: list[int] = []
         self.num_accesses = 0
         self.num_requests = 0
+        self.num_forgotten = 0
 
     def _grow(self) -> None:
-        size = 2 * self.last_access.shape[0]
-        for name in ("last_access", "last_request", "count", "depth"):
+        size = min(2 * self.last_access.shape[0], self.max_blocks)
+        for name in _ARRAYS:
             old = getattr(self, name)
             new = np.zeros(size, dtype=old.dtype)
             new[: old.shape[0]] = old
             setattr(self, name, new)
+
+    def _new_slot(self) -> int:
+        if self.free_slots:
+            return self.free_slots.pop()
+        slot = len(self.slot_of)
+        if slot < self.last_access.shape[0]:
+            return slot
+        if slot < self.max_blocks:
+            self._grow()
+            return slot
+        self._forget_oldest()
+        return self.free_slots.pop()
+
+    def _forget_oldest(self) -> None:
+        """Forget the least recently accessed ``EVICT_FRACTION`` of the (full) table."""
+        num = max(1, int(self.max_blocks * EVICT_FRACTION))
+        oldest = np.argpartition(self.last_access, num - 1)[:num]
+        slot_of = self.slot_of
+        for block in self.hash_of[oldest].tolist():
+            del slot_of[block]
+        for name in ("last_access", "last_request", "count", "depth"):
+            getattr(self, name)[oldest] = 0
+        # Lowest slot last: popped first, so the table refills from the front.
+        self.free_slots = sorted(oldest.tolist(), reverse=True)
+        self.num_forgotten += num
 
     def observe(self, event: BlocksAccessed) -> None:
         slot_of = self.slot_of
         for depth, block in enumerate(event.block_hashes):
             slot = slot_of.get(block)
             if slot is None:
-                slot = len(slot_of)
-                if slot >= self.last_access.shape[0]:
-                    self._grow()
+                slot = self._new_slot()
                 slot_of[block] = slot
+                self.hash_of[slot] = block
                 self.depth[slot] = depth
             self.num_accesses += 1
             self.last_access[slot] = self.num_accesses
@@ -67,11 +117,23 @@ class _BlockTable:
         )
 
 
-class BaselineParams(PolicyParams):
-    """LRU and LFU take no parameters."""
+class _TrackingParams(PolicyParams):
+    """The cap every table-based baseline takes."""
+
+    max_tracked_blocks: int = Field(
+        DEFAULT_MAX_TRACKED_BLOCKS,
+        ge=16,
+        le=1 << 31,
+        description="Most blocks tracked; past it the least recently accessed are "
+        "forgotten (they score as never seen). Bounds memory at ~100 bytes per block.",
+    )
 
 
-class PrefixLRUParams(PolicyParams):
+class BaselineParams(_TrackingParams):
+    """LRU and LFU: only the cap on tracked blocks."""
+
+
+class PrefixLRUParams(_TrackingParams):
     max_depth: int = Field(
         1023,
         ge=1,
@@ -82,9 +144,11 @@ class PrefixLRUParams(PolicyParams):
 
 
 class _TablePolicy(Policy):
+    params: _TrackingParams
+
     def __init__(self, params: PolicyParams | None = None) -> None:
         super().__init__(params)
-        self._table = _BlockTable()
+        self._table = _BlockTable(max_blocks=self.params.max_tracked_blocks)
 
     def observe(self, event: Event) -> None:
         if isinstance(event, BlocksAccessed):

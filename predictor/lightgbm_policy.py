@@ -37,6 +37,7 @@ from pydantic import Field
 
 from predictor.base import PolicyLoadError, PolicyParams
 from predictor.learned import LearnedParams, LearnedPolicy
+from predictor.model_check import read_model_text, without_tree_sizes
 from predictor.trees import TreeEnsemble, parse_lightgbm_model
 
 MODEL_FILE = "model.txt"
@@ -199,13 +200,11 @@ class LightGBMPolicy(LearnedPolicy):
 
     def _read_model_files(self, directory: Path, manifest: dict[str, Any]) -> None:
         path = directory / MODEL_FILE
-        try:
-            text = path.read_text(encoding="utf-8")
-        except (OSError, UnicodeDecodeError) as exc:
-            raise PolicyLoadError(path, f"cannot read the model text ({exc})") from exc
+        text = read_model_text(path)  # size-bounded, UTF-8
         self.trees = parse_lightgbm_model(text, path)  # structural validation first
         try:
-            self.booster = lgb.Booster(model_str=text)
+            # Without tree_sizes: a wrong byte offset would abort LightGBM's parallel parse.
+            self.booster = lgb.Booster(model_str=without_tree_sizes(text))
         except lgb.basic.LightGBMError as exc:
             raise PolicyLoadError(path, f"not a readable LightGBM text model ({exc})") from exc
         if self.booster.num_feature() != len(self.feature_names):
@@ -218,6 +217,8 @@ class LightGBMPolicy(LearnedPolicy):
             self.sigma_log = float(sigma_path.read_text())
         except (OSError, ValueError) as exc:
             raise PolicyLoadError(sigma_path, f"expected one float ({exc})") from exc
+        if not (math.isfinite(self.sigma_log) and self.sigma_log > 0):
+            raise PolicyLoadError(sigma_path, f"sigma must be finite and > 0, got {self.sigma_log}")
 
 
 def predict_rows(booster: lgb.Booster, features: np.ndarray) -> np.ndarray:

@@ -31,6 +31,7 @@ from torch import nn
 
 from predictor.base import PolicyLoadError, PolicyParams
 from predictor.learned import LearnedParams, LearnedPolicy
+from predictor.model_check import check_lstm_weights
 
 WEIGHTS_FILE = "weights.pt"
 
@@ -244,6 +245,7 @@ class LSTMPolicy(LearnedPolicy):
             self.net.load_state_dict(state)
         except RuntimeError as exc:
             raise PolicyLoadError(path, f"weights do not fit these LSTM params ({exc})") from exc
+        check_lstm_weights(self.net.state_dict(), path)
         self.net.eval()
 
 

@@ -51,6 +51,7 @@ from executor.kvhints import HintError, parse_ack
 from executor.kvhints import decision_format as decision_format_named
 from features.decoders import decode_message, read_trace
 from features.events import BlocksAccessed, Event, EventValidationError
+from serving.sources import dead_letter_payload
 
 log = logging.getLogger(__name__)
 
@@ -456,14 +457,7 @@ class KafkaEventSource:
     def _dead_letter(self, record: Any, reason: str, error: str) -> None:
         self.num_dead_letters += 1
         self.dead_letters_by_reason[reason] += 1
-        if self._dlq is None:
-            cfg = self._dlq_config
-            self._dlq = _connect(
-                "dead-letter producer",
-                self.bootstrap,
-                self._dlq_options,
-                lambda: KafkaProducer(**cfg),
-            )
+        dlq = self._dead_letter_producer()
         headers = [
             *(record.headers or []),
             (HEADER_REASON, reason.encode()),
@@ -472,11 +466,34 @@ class KafkaEventSource:
             (HEADER_SOURCE_PARTITION, str(record.partition).encode()),
             (HEADER_SOURCE_OFFSET, str(record.offset).encode()),
         ]
-        future = self._dlq.send(
+        future = dlq.send(
             self.dead_letter_topic, key=record.key, value=record.value, headers=headers
         )
         future.add_errback(self._dlq_errors.append)
         log.debug("dead letter %s/%d/%d: %s", record.topic, record.partition, record.offset, reason)
+
+    def _dead_letter_producer(self) -> KafkaProducer:
+        if self._dlq is None:
+            cfg = self._dlq_config
+            self._dlq = _connect(
+                "dead-letter producer",
+                self.bootstrap,
+                self._dlq_options,
+                lambda: KafkaProducer(**cfg),
+            )
+        return self._dlq
+
+    def dead_letter(self, event: Event, reason: str, error: str) -> None:
+        """The loop could not handle ``event`` (decoded from a message already handed
+        out): its JSON form goes to the dead-letter topic and its offset is committed
+        with the batch, so a poison pill never stops or crash-loops the consumer."""
+        self.num_dead_letters += 1
+        self.dead_letters_by_reason[reason] += 1
+        headers = [(HEADER_REASON, reason.encode()), (HEADER_ERROR, error[:500].encode())]
+        future = self._dead_letter_producer().send(
+            self.dead_letter_topic, value=dead_letter_payload(event), headers=headers
+        )
+        future.add_errback(self._dlq_errors.append)
 
     def _forget(self, revoked: set[TopicPartition]) -> None:
         """Partitions taken away in a rebalance: drop what was fetched but not committed;

@@ -217,7 +217,11 @@ class Sidecar:
         while not stop.is_set():
             events = source.poll(batch_size, poll_timeout_ms)
             for event in events:
-                self.handle(event, clock() if clock else None)
+                try:
+                    self.handle(event, clock() if clock else None)
+                except Exception as exc:  # one bad event never stops the stream
+                    log.exception("event could not be handled; dead-lettered")
+                    source.dead_letter(event, "handler_error", f"{type(exc).__name__}: {exc}")
             handled += len(events)
             if events:
                 if flush is not None:

@@ -16,6 +16,20 @@ Primitives:
   two events: none is dropped). A new version that fails to load leaves the current
   policy in place. ``start_polling(interval_s)`` runs it in a daemon thread.
 
+Validation: every policy, at the initial load and at every hot-swap, passes
+``predictor.model_check`` before it serves: the structural check of tree models (run by
+the policy's loader) and a probe batch scored under ``probe_timeout_s`` with finite,
+in-range outputs. A model that fails is refused with the reason (``refused``); the
+previous policy (or LRU) keeps serving.
+
+Run-time guard: the served policy is wrapped in a ``GuardedPolicy``. A score call that
+raises or returns nan/inf switches it to LRU (warmed with the recent requests) and
+marks the status degraded (``scoring_failed``); the loop never sees the bad scores.
+``start_watchdog()`` runs a thread that marks the status degraded (``scoring_stuck``)
+when one score call has run longer than ``score_timeout_s``: native scoring code
+cannot be interrupted, but /healthz says so and SIGTERM still ends the process (the
+CLI's forced exit).
+
 Warm swap: a learned policy with the same feature parameters takes over the online
 feature state of the one it replaces (the same ``FeatureState`` object). Otherwise
 (LRU -> LightGBM after a recovery) the newcomer is fed the last ``warmup_requests``
@@ -34,19 +48,33 @@ import tempfile
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
+import numpy as np
+
 from features.events import BlocksAccessed
 from predictor.base import MANIFEST_NAME, Policy, PolicyError, PolicyLoadError
+from predictor.model_check import DEFAULT_PROBE_TIMEOUT_S, ModelProbeError, probe_policy
 from predictor.registry import available_policies, load_policy, make_policy
 
 log = logging.getLogger(__name__)
 
 FALLBACK_POLICY = "lru"
 
-DegradedKind = Literal["load_failed", "feature_version_mismatch", "refused", "unresolvable"]
+DegradedKind = Literal[
+    "load_failed",
+    "feature_version_mismatch",
+    "refused",
+    "unresolvable",
+    "scoring_failed",
+    "scoring_stuck",
+]
+
+DEFAULT_SCORE_TIMEOUT_S = 10.0
+"""One score call running longer than this marks the model ``scoring_stuck``."""
 
 
 @dataclass(frozen=True)
@@ -153,7 +181,7 @@ def _classify(exc: BaseException) -> DegradedKind:
     text = str(exc)
     if "feature version" in text or "feature names differ" in text:
         return "feature_version_mismatch"
-    if "needs future" in text:
+    if "needs future" in text or isinstance(exc, ModelProbeError):
         return "refused"
     if isinstance(exc, ModelResolveError) or "could not fetch" in text:
         return "unresolvable"
@@ -192,8 +220,12 @@ class ModelManager:
         tracking_uri: str | None = None,
         warmup_requests: int = 4_096,
         scratch_dir: str | Path | None = None,
+        probe_timeout_s: float = DEFAULT_PROBE_TIMEOUT_S,
+        score_timeout_s: float = DEFAULT_SCORE_TIMEOUT_S,
     ) -> None:
         self.spec = spec
+        self.probe_timeout_s = probe_timeout_s
+        self.score_timeout_s = score_timeout_s
         self.resolver = resolver or mlflow_resolver(tracking_uri)
         self.sidecar: Any = None
         self.recent: deque[BlocksAccessed] = deque(maxlen=max(1, warmup_requests))
@@ -209,6 +241,7 @@ class ModelManager:
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self._watchdog: threading.Thread | None = None
 
     # -- reading -----------------------------------------------------------------------
     @property
@@ -217,6 +250,7 @@ class ModelManager:
 
     @property
     def policy(self) -> Policy:
+        """The served policy (a ``GuardedPolicy`` around the loaded one)."""
         assert self._policy is not None, "call load_initial() first"
         return self._policy
 
@@ -275,6 +309,7 @@ class ModelManager:
         if getattr(policy, "needs_future", False):
             raise PolicyError(f"policy {policy.name!r} needs future knowledge; serving refuses it")
         check_time_base(policy)
+        probe_policy(policy, self.probe_timeout_s, where=self.spec)
         return policy, version
 
     def load_initial(self, *, fallback: bool = True) -> Policy:
@@ -307,12 +342,11 @@ class ModelManager:
                 exc,
                 FALLBACK_POLICY,
             )
-            policy = make_policy(FALLBACK_POLICY)
-            self._install(policy, ModelStatus(self.spec, policy.name, "fallback", kind, str(exc)))
-            return policy
-        self._install(policy, ModelStatus(self.spec, policy.name, version))
+            lru = make_policy(FALLBACK_POLICY)
+            status = ModelStatus(self.spec, lru.name, "fallback", kind, str(exc))
+            return self._install(lru, status)
         log.info("serving model %r: policy %s version %s", self.spec, policy.name, version)
-        return policy
+        return self._install(policy, ModelStatus(self.spec, policy.name, version))
 
     def attach(self, sidecar: Any) -> None:
         """Manage ``sidecar``'s policy; record requests for warming swapped-in policies."""
@@ -352,10 +386,10 @@ class ModelManager:
             if policy is None:
                 return False  # unchanged, or a version already known to be broken
             self._warm(policy)
+            guarded = self._install(policy, ModelStatus(self.spec, policy.name, version))
             if self.sidecar is not None:
-                self.sidecar.swap_policy(policy)
+                self.sidecar.swap_policy(guarded)
             self.num_swaps += 1
-            self._install(policy, ModelStatus(self.spec, policy.name, version))
             log.info("swapped in %s version %s (was %s %s)", policy.name, version,
                      current.policy, current.version)  # fmt: skip
             return True
@@ -376,9 +410,56 @@ class ModelManager:
         # the newcomer's features (never by the loop: no event is dropped).
         new.observe_many(list(self.recent))
 
-    def _install(self, policy: Policy, status: ModelStatus) -> None:
-        self._policy = policy
+    def _install(self, policy: Policy, status: ModelStatus) -> GuardedPolicy:
+        guarded = GuardedPolicy(policy, self._scoring_failed)
+        self._policy = guarded
         self._status = _replace(status, loaded_at_s=time.time())
+        return guarded
+
+    def _scoring_failed(self, guard: GuardedPolicy, why: str) -> Policy:
+        """Called by the guard (on the loop thread) when its policy's scores are unusable:
+        returns the LRU that takes over, warmed with the recent requests."""
+        fallback = make_policy(FALLBACK_POLICY)
+        fallback.observe_many(list(self.recent))
+        if guard is self._policy:
+            current = self._status
+            if current.version not in ("builtin", "fallback"):
+                self._broken_versions.add(current.version)
+            self._status = _replace(
+                current, policy=fallback.name, degraded="scoring_failed", reason=why
+            )
+        log.error("model %r: %s; serving with %s", self.spec, why, FALLBACK_POLICY)
+        return fallback
+
+    # -- watchdog ----------------------------------------------------------------------
+    def start_watchdog(self, interval_s: float = 0.5) -> None:
+        """Check every ``interval_s`` that no score call has run past ``score_timeout_s``;
+        if one has, report ``scoring_stuck`` (health degraded) until it returns."""
+        if self._watchdog is not None or self.score_timeout_s <= 0:
+            return
+
+        def watch() -> None:
+            while not self._stop.wait(interval_s):
+                guard = self._policy
+                if not isinstance(guard, GuardedPolicy):
+                    continue
+                since = guard.scoring_since_s
+                current = self._status
+                if since is not None and time.monotonic() - since > self.score_timeout_s:
+                    if current.degraded != "scoring_stuck":
+                        why = (
+                            f"one score call has run more than {self.score_timeout_s:g} s "
+                            f"(policy {current.policy} {current.version})"
+                        )
+                        log.error("model %r: %s", self.spec, why)
+                        self._status = _replace(
+                            current, degraded="scoring_stuck", reason=why, last_error=why
+                        )
+                elif since is None and current.degraded == "scoring_stuck":
+                    self._status = _replace(current, degraded=None, reason="")
+
+        self._watchdog = threading.Thread(target=watch, name="kvwarm-score-watchdog", daemon=True)
+        self._watchdog.start()
 
     # -- polling -----------------------------------------------------------------------
     def start_polling(self, interval_s: float) -> None:
@@ -397,10 +478,69 @@ class ModelManager:
         self._thread.start()
 
     def stop(self) -> None:
+        """Stop the poller and the watchdog (waits at most a few seconds for each)."""
         self._stop.set()
-        if self._thread is not None:
-            self._thread.join(timeout=10)
-            self._thread = None
+        for thread in (self._thread, self._watchdog):
+            if thread is not None:
+                thread.join(timeout=5)
+        self._thread = self._watchdog = None
+
+
+class GuardedPolicy(Policy):
+    """The served policy behind a guard; every other attribute is the active policy's.
+
+    ``score`` records when the call started (the watchdog reads ``scoring_since_s``) and
+    checks the result: an exception or a nan/inf score makes ``on_failure`` hand over a
+    fallback policy, which scores this call and every later one. Checking costs one
+    ``np.isfinite`` over the scores; nothing is moved to another thread on the hot path.
+    """
+
+    def __init__(self, policy: Policy, on_failure: Callable[[GuardedPolicy, str], Policy]) -> None:
+        # Policy.__init__ is not called: the guard has no params of its own.
+        self.inner = policy
+        self.active = policy
+        self.on_failure = on_failure
+        self.scoring_since_s: float | None = None
+        self.num_failures = 0
+
+    def __getattr__(self, attr: str) -> Any:
+        # Only reached for attributes the guard itself lacks (state, feature_params ...).
+        if attr in ("inner", "active"):
+            raise AttributeError(attr)
+        return getattr(self.active, attr)
+
+    @property  # type: ignore[override]
+    def name(self) -> str:  # type: ignore[override]
+        return self.active.name
+
+    @property  # type: ignore[override]
+    def outputs_probability(self) -> bool:  # type: ignore[override]
+        return self.active.outputs_probability
+
+    def observe(self, event: Any) -> None:
+        self.active.observe(event)
+
+    def observe_many(self, events: Any) -> None:
+        self.active.observe_many(events)
+
+    def score(self, block_hashes: np.ndarray, now_ms: int) -> np.ndarray:
+        self.scoring_since_s = time.monotonic()
+        try:
+            scores = self.active.score(block_hashes, now_ms)
+            if np.isfinite(scores).all():
+                return scores
+            why = f"{int((~np.isfinite(scores)).sum())} of {len(scores)} scores were nan or inf"
+        except Exception as exc:
+            if self.active is not self.inner:
+                raise  # the fallback itself failed: a bug, not a bad model
+            why = f"scoring raised {type(exc).__name__}: {exc}"
+        finally:
+            self.scoring_since_s = None
+        if self.active is not self.inner:
+            raise PolicyError(f"fallback policy {self.active.name} returned non-finite scores")
+        self.num_failures += 1
+        self.active = self.on_failure(self, why)
+        return self.active.score(block_hashes, now_ms)
 
 
 def _replace(status: ModelStatus, **changes: Any) -> ModelStatus:

@@ -8,7 +8,11 @@
 
 At-least-once: ``Sidecar.run`` calls ``flush`` (every sink delivers) before the
 source's ``commit``. SIGTERM sets the stop flag; the batch in hand is finished, its
-decisions flushed, offsets committed, and the process exits 0. A crash (SIGKILL)
+decisions flushed, offsets committed, and the process exits 0. SIGTERM always works:
+``ShutdownWatchdog`` notices the signal on a thread of its own (the main thread may be
+stuck in a model's native code, where Python signal handlers do not run) and, if the
+process has not exited ``SHUTDOWN_GRACE_S`` later, dumps every thread's stack and
+exits 1 (what was not committed is delivered again on restart). A crash (SIGKILL)
 loses nothing: uncommitted events are delivered again on restart and yield the same
 decision ids, which the executor applies once.
 
@@ -20,9 +24,11 @@ shows in ``kvwarm_lag_seconds`` and ``kvwarm_source_backlog_events``.
 
 from __future__ import annotations
 
+import faulthandler
 import logging
 import os
 import signal
+import socket
 import sys
 import threading
 import time
@@ -63,6 +69,72 @@ from serving.settings import Endpoint, SidecarSettings, load_settings
 from serving.sources import EventSource, FileSource, ReportsReadiness
 
 log = logging.getLogger(__name__)
+
+
+SHUTDOWN_GRACE_S = 4.0
+"""After SIGTERM/SIGINT, the longest the process waits for the loop to finish its batch
+before it is ended regardless (within the 5 s a supervisor is promised)."""
+
+
+class ShutdownWatchdog:
+    """Makes SIGTERM and SIGINT end the process within ``grace_s`` in every state.
+
+    ``install()`` (main thread) routes both signals to ``stop`` twice over: the Python
+    handler (runs when the main thread executes Python) and a wakeup fd read by a daemon
+    thread (runs even while the main thread is stuck in native scoring code). Either
+    path arms ``faulthandler.dump_traceback_later(grace_s, exit=True)``, a C timer that
+    needs no interpreter lock, as the last resort.
+    """
+
+    def __init__(self, stop: Callable[[], None], grace_s: float = SHUTDOWN_GRACE_S) -> None:
+        self.stop = stop
+        self.grace_s = grace_s
+        self.signum: int | None = None
+        self._lock = threading.Lock()
+
+    def install(self) -> ShutdownWatchdog:
+        reader, writer = socket.socketpair()
+        writer.setblocking(False)
+        self._sockets = (reader, writer)  # kept alive with the watchdog
+        signal.set_wakeup_fd(writer.fileno(), warn_on_full_buffer=False)
+        for signum in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(signum, self._on_signal)
+
+        def watch() -> None:
+            while True:
+                try:
+                    data = reader.recv(64)
+                except OSError:
+                    return
+                if not data:
+                    return
+                for signum in data:
+                    if signum in (signal.SIGTERM, signal.SIGINT):
+                        self.trigger(signum)
+
+        threading.Thread(target=watch, name="kvwarm-shutdown-watchdog", daemon=True).start()
+        return self
+
+    def _on_signal(self, signum: int, frame: FrameType | None) -> None:
+        self.trigger(signum)
+
+    def trigger(self, signum: int) -> None:
+        """Ask the loop to stop; arm the forced exit. Idempotent; any thread."""
+        with self._lock:
+            if self.signum is not None:
+                return
+            self.signum = signum
+        log.info(
+            "signal %d: finishing the batch in hand, then exiting (forced after %g s)",
+            signum,
+            self.grace_s,
+        )
+        faulthandler.dump_traceback_later(self.grace_s, exit=True)
+        self.stop()
+
+    def disarm(self) -> None:
+        """The process is exiting on its own: cancel the forced exit."""
+        faulthandler.cancel_dump_traceback_later()
 
 
 def wall_ms() -> int:
@@ -144,6 +216,9 @@ class MeteredSource:
 
     def commit(self) -> None:
         self.inner.commit()
+
+    def dead_letter(self, event: Event, reason: str, error: str) -> None:
+        self.inner.dead_letter(event, reason, error)
 
     def close(self) -> None:
         self.inner.close()
@@ -247,10 +322,16 @@ class Service:
     """The assembled sidecar. Build, ``start()`` (HTTP, model polling), ``run()``,
     ``close()``. ``stop()`` is safe from a signal handler or another thread."""
 
-    def __init__(self, settings: SidecarSettings, *, source: EventSource | None = None) -> None:
+    def __init__(
+        self,
+        settings: SidecarSettings,
+        *,
+        source: EventSource | None = None,
+        stop: threading.Event | None = None,
+    ) -> None:
         self.settings = settings
         self.metrics = SidecarMetrics()
-        self._stop = threading.Event()
+        self._stop = stop or threading.Event()
         self._ready = False
         self.now_ms = 0
         self.clock: Callable[[], int] | None = wall_ms if settings.clock == "wall" else None
@@ -581,24 +662,23 @@ def serve(
     if print_settings:  # secrets print as '**********'
         click.echo(settings.model_dump_json(indent=2))
         return
+    # Signals first: a SIGTERM while the model loads or the broker connects must count.
+    stop_requested = threading.Event()
+    watchdog = ShutdownWatchdog(stop_requested.set).install()
     try:
-        service = Service(settings)
+        service = Service(settings, stop=stop_requested)
     except (ServeError, TraceFormatError, ConnectionError, OSError) as exc:
         # ConnectionError: KafkaUnavailableError (a one-line message naming the address);
         # OSError: HealthServerError, a rejects file that cannot be written.
+        watchdog.disarm()
         raise click.ClickException(_one_line(exc)) from None
     try:
         service.start()
     except HealthServerError as exc:
         service.close()
+        watchdog.disarm()
         raise click.ClickException(str(exc)) from None
-
-    def on_signal(signum: int, frame: FrameType | None) -> None:
-        log.info("signal %d: finishing the batch in hand, then exiting", signum)
-        service.stop()
-
-    signal.signal(signal.SIGTERM, on_signal)
-    signal.signal(signal.SIGINT, on_signal)
+    service.models.start_watchdog()
     if service.http is not None:
         click.echo(f"kvwarm serve: health and metrics on {service.http.url}", err=True)
     status = service.models.status
@@ -613,6 +693,7 @@ def serve(
         raise click.ClickException(str(exc)) from None
     finally:
         service.close()
+        watchdog.disarm()
     click.echo(
         f"kvwarm serve: {stats.events} events, {stats.block_accesses} block accesses, "
         f"{service.decisions.num_decisions} decisions",

@@ -10,18 +10,24 @@ Contract (every source, file, Kafka or ZMQ):
 - ``commit()`` is called by the loop after every event returned so far has been
   fully handled (its decisions emitted). Sources with offsets (Kafka) commit them
   here and only here: that is what makes delivery at-least-once.
+- ``dead_letter(event, reason, error)`` is called by the loop when handling one event
+  it returned raised: the source records the event with the reason (dead-letter topic,
+  rejects file) and the stream moves on. The event counts as handled: its offset is
+  committed with the batch, so a poison pill cannot crash-loop a consumer.
 - ``close()`` releases resources; safe to call twice.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import os
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
 from features.decoders import RejectLog, read_trace
-from features.events import Event
+from features.events import BlocksAccessed, Event, EventValidationError
 
 
 @runtime_checkable
@@ -33,9 +39,27 @@ class EventSource(Protocol):
 
     def commit(self) -> None: ...
 
+    def dead_letter(self, event: Event, reason: str, error: str) -> None: ...
+
     def close(self) -> None: ...
 
     def stats(self) -> dict[str, Any]: ...
+
+
+def dead_letter_payload(event: Event) -> bytes:
+    """The JSON form of a decoded event, as a dead-letter topic or rejects file keeps it."""
+    if isinstance(event, BlocksAccessed):
+        body: dict[str, Any] = event.to_dict()
+    else:
+        body = {"type": type(event).__name__, **dataclasses.asdict(event)}
+    return json.dumps(body, default=str).encode()
+
+
+def record_dead_letter(
+    rejects: RejectLog, where: str, event: Event, reason: str, error: str
+) -> None:
+    """A handled-but-failed event into a ``RejectLog`` (file and ZMQ sources)."""
+    rejects.add(where, EventValidationError("<event>", error, reason), dead_letter_payload(event))
 
 
 @runtime_checkable
@@ -90,6 +114,10 @@ class FileSource:
 
     def commit(self) -> None:
         """A file has no offsets to commit."""
+
+    def dead_letter(self, event: Event, reason: str, error: str) -> None:
+        """The loop could not handle ``event``: count it and keep it in the rejects file."""
+        record_dead_letter(self.rejects, f"{self.path.name}:event", event, reason, error)
 
     def close(self) -> None:
         self.rejects.close()

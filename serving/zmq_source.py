@@ -37,7 +37,7 @@ from urllib.parse import parse_qs, urlsplit
 
 import zmq
 
-from features.decoders import RejectLog, decode_kv_event_batch
+from features.decoders import MAX_MESSAGE_BYTES, RejectLog, decode_kv_event_batch
 from features.events import (
     AllBlocksCleared,
     BlockRemoved,
@@ -47,6 +47,7 @@ from features.events import (
     ResidencyEvent,
     Tier,
 )
+from serving.sources import record_dead_letter
 
 logger = logging.getLogger(__name__)
 
@@ -247,6 +248,9 @@ class ZmqSubscriber:
             sock = self._ctx.socket(zmq.SUB)
             sock.setsockopt(zmq.LINGER, 0)
             sock.setsockopt(zmq.RCVHWM, rcv_hwm)
+            # A frame over the decoders' bound is refused by libzmq before it is buffered
+            # (the peer is disconnected and reconnects), so no message costs more memory.
+            sock.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
             sock.setsockopt(zmq.SUBSCRIBE, engine.topic.encode())
             # Connection events of this socket, read in ``receive`` (the loop's thread).
             self._monitors[engine.engine_id] = sock.get_monitor_socket(
@@ -347,6 +351,7 @@ class ZmqSubscriber:
             assert engine.replay_endpoint is not None
             sock = self._ctx.socket(zmq.DEALER)
             sock.setsockopt(zmq.LINGER, 0)
+            sock.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
             sock.connect(engine.replay_endpoint)
             self._replays[engine.engine_id] = sock
         return sock
@@ -629,12 +634,24 @@ class ZmqEventSource:
         except EventValidationError as exc:
             self.rejects.add(f"{batch.engine_id}#{batch.seq}", exc, batch.payload.hex())
             return
+        except Exception as exc:  # a decoder bug must not stop the stream either
+            logger.exception("unexpected error decoding %s#%d", batch.engine_id, batch.seq)
+            error = EventValidationError(
+                "<payload>", f"{type(exc).__name__}: {exc}", "decoder_error"
+            )
+            self.rejects.add(f"{batch.engine_id}#{batch.seq}", error, batch.payload.hex())
+            return
         for event in events:
             view.apply(event)
         self._pending.extend(events)
 
     def commit(self) -> None:
         """ZMQ has no offsets to commit."""
+
+    def dead_letter(self, event: Event, reason: str, error: str) -> None:
+        """The loop could not handle ``event``: count it and keep it in the rejects file."""
+        engine_id = getattr(event, "engine_id", "")
+        record_dead_letter(self.rejects, f"{engine_id}:event", event, reason, error)
 
     @property
     def ready(self) -> bool:

@@ -41,6 +41,7 @@ BAD_PAYLOADS = [
     (enc([TS, [["BlockRemoved", [1], 3]]]), "bad_type"),
     (enc(7), "bad_shape"),
     (enc([TS, [["BlockRemoved", [1], "GPU", 0, "extra", "fields"]]]), "bad_shape"),
+    (b"\x91" * 1000 + b"\x90", "too_deep"),  # 1,000 levels: a RecursionError before
 ]
 
 
