@@ -84,12 +84,8 @@ def mlflow_resolver(tracking_uri: str | None = None) -> Resolver:
         # training.tracking is the only MLflow importer, loaded lazily on first use.
         from training import tracking
 
-        version_of = getattr(tracking, "model_version_for_uri", None)
         directory = tracking.resolve_policy_dir(uri, dst=scratch, store_uri=tracking_uri)
-        label = ""
-        if version_of is not None:
-            label = str(version_of(uri, store_uri=tracking_uri))
-        return directory, label or content_version(directory)
+        return directory, content_version(directory)
 
     return resolve
 
@@ -194,7 +190,7 @@ class ModelManager:
                 return None, version
             if kind == "builtin":
                 policy = make_policy(self.spec)
-                if getattr(policy, "fitted", True) is False:
+                if not policy.fitted:
                     raise PolicyLoadError(
                         self.spec, "a learned policy needs a trained model: pass its directory "
                         "or an MLflow URI, not the bare policy name",
@@ -204,7 +200,7 @@ class ModelManager:
                 policy = load_policy(directory)
         finally:
             shutil.rmtree(scratch, ignore_errors=True)
-        if getattr(policy, "needs_future", False):
+        if policy.needs_future:
             raise PolicyError(f"policy {policy.name!r} needs future knowledge; serving refuses it")
         return policy, version
 
@@ -280,16 +276,8 @@ class ModelManager:
 
     def _warm(self, new: Policy) -> None:
         old = self._policy
-        old_state = getattr(old, "state", None)
-        same_features = (
-            old_state is not None
-            and hasattr(new, "state")
-            and getattr(old, "feature_params", None) == getattr(new, "feature_params", None)
-            and type(old_state) is type(new.state)
-        )
-        if same_features:
-            new.state = old_state  # type: ignore[attr-defined]  # shared: no gap at all
-            return
+        if new.adopt_state(old.handover_state() if old is not None else None):
+            return  # shared: no gap at all
         # Replay the recent requests; a few that arrive during the replay are missed by
         # the newcomer's features (never by the loop: no event is dropped).
         new.observe_many(list(self.recent))

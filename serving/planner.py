@@ -27,10 +27,12 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Literal, get_args
 
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
 
+from serving import defaults
 from serving.placement import NOWHERE, Placement
 
 ScoreFn = Callable[[np.ndarray, int], np.ndarray]
@@ -45,19 +47,19 @@ class PlannerParams(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     eviction_sample: int = Field(
-        64, ge=1, le=4096, description="Residents sampled per eviction round."
+        defaults.EVICTION_SAMPLE, ge=1, le=4096, description="Residents sampled per eviction round."
     )
     admission: bool = Field(
         True,
         description="Veto keeping a just-computed block in a tier when it scores below every sampled resident.",
     )
     prefetch_budget_blocks: int = Field(
-        64,
+        defaults.PREFETCH_BUDGET_BLOCKS,
         ge=0,
         description="Most speculative promotions per prefetch round (the bandwidth budget).",
     )
     min_residency_ms: int = Field(
-        0,
+        defaults.MIN_RESIDENCY_MS,
         ge=0,
         description="Hysteresis: a block moved less than this long ago is not displaced by a speculative promotion.",
     )
@@ -65,6 +67,15 @@ class PlannerParams(BaseModel):
         0.0, ge=0.0, description="A candidate must outscore the resident it displaces by this much."
     )
     seed: int = Field(0, description="Seed of the eviction sampler (replays repeat exactly).")
+
+
+MoveKind = Literal["demand", "store", "prefetch", "demote", "evict", "bypass"]
+"""Why a block moves: ``demand`` (a request reads it: up to the fastest tier),
+``store`` (computed by the engine into a tier), ``prefetch`` (speculative promotion),
+``demote`` (one tier down to make room), ``evict`` (out of the last tier), ``bypass``
+(a just-computed block the admission veto sends down at once)."""
+
+MOVE_KINDS: tuple[str, ...] = get_args(MoveKind)
 
 
 @dataclass(frozen=True, slots=True)
@@ -76,7 +87,7 @@ class Move:
     from_tier: int
     to_tier: int
     score: float
-    kind: str  # "demand" | "store" | "prefetch" | "demote" | "evict" | "bypass"
+    kind: MoveKind
 
 
 class Planner:
@@ -188,7 +199,12 @@ class Planner:
             sample = placement.sample(
                 tier, self.params.eviction_sample + over, self.rng, exclude=pinned
             )
-            candidates = sample + stored if self.params.admission else list(sample)
+            candidates = list(sample)
+            if self.params.admission:
+                # A block demoted here this round can also be in the sample: once only,
+                # or it takes two of the ``over`` victim slots and the tier stays over.
+                in_sample = set(sample)
+                candidates += [b for b in stored if b not in in_sample]
             if len(candidates) < over:
                 # More pinned blocks than room: the request itself must spill.
                 extra = [b for b in placement.members(tier) if b not in set(candidates)]
@@ -200,7 +216,7 @@ class Planner:
             for i in victims.tolist():
                 block = candidates[i]
                 if placement.tier_of(block) != tier:
-                    continue  # sampled twice through `stored`
+                    continue
                 before = len(moves)
                 self._demote(placement, block, tier, float(scores[i]), now_ms, moves)
                 if block in stored_set:

@@ -30,13 +30,15 @@ from collections import deque
 from collections.abc import Callable
 from pathlib import Path
 from types import FrameType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import click
 import numpy as np
 
+from executor.protocol import Executor
 from features.events import Event
 from serving.decisions import (
+    APPLY_HEADROOM_BLOCKS,
     DecisionMaker,
     DecisionSink,
     ExecutorSink,
@@ -51,6 +53,9 @@ from serving.placement import Placement
 from serving.planner import Planner
 from serving.settings import Endpoint, SidecarSettings, load_settings
 from serving.sources import EventSource, FileSource
+
+if TYPE_CHECKING:
+    from executor.core import Executor as LocalExecutor
 
 log = logging.getLogger(__name__)
 
@@ -172,10 +177,10 @@ def open_source(settings: SidecarSettings) -> EventSource:
     raise click.UsageError(f"unsupported source {settings.source!r}")
 
 
-def load_local_executor(path: str | Path, clock_ms: Callable[[], float]) -> Any:
+def load_local_executor(path: str | Path, clock_ms: Callable[[], float]) -> LocalExecutor:
     """The real executor from a TOML file::
 
-        [executor]            # ExecutorParams fields (state_dir, on_full, ...)
+        [executor]            # ExecutorParams fields (state_dir, fsync_journal, ...)
         state_dir = "state"
         [[tiers]]             # fastest first; kind + name + the tier's Params fields
         kind = "memory"
@@ -184,7 +189,8 @@ def load_local_executor(path: str | Path, clock_ms: Callable[[], float]) -> Any:
 
     Relative paths (``state_dir``, a tier's ``root``) are relative to the file.
     """
-    from executor import Executor, ExecutorParams
+    from executor.core import Executor as LocalExecutor
+    from executor.core import ExecutorParams
     from executor.tiers import make_tier
 
     path = Path(path)
@@ -213,7 +219,14 @@ def load_local_executor(path: str | Path, clock_ms: Callable[[], float]) -> Any:
     params = dict(config.get("executor", {}))
     if "state_dir" in params:
         params["state_dir"] = rel(params["state_dir"])
-    return Executor(tiers, ExecutorParams(**params), clock_ms=clock_ms)
+    known = set(ExecutorParams.__dataclass_fields__)
+    unknown = sorted(set(params) - known)
+    if unknown:
+        raise click.UsageError(
+            f"executor config {path}: unknown [executor] key {unknown[0]!r}; "
+            f"known keys: {', '.join(sorted(known))}"
+        )
+    return LocalExecutor(tiers, ExecutorParams(**params), clock_ms=clock_ms)
 
 
 class Service:
@@ -231,7 +244,8 @@ class Service:
         self.models = ModelManager(settings.model, tracking_uri=settings.mlflow_tracking_uri)
         policy = self.models.load_initial()
 
-        self.executor: Any = None
+        self.executor: Executor | None = None
+        self._store_bytes = settings.block_size_bytes
         tier_names, capacities = self._tiers()
         self.placement = Placement(list(tier_names), list(capacities))
         self.sidecar = MeteredSidecar(
@@ -248,9 +262,7 @@ class Service:
         sinks: list[DecisionSink] = []
         self.executor_sink: ExecutorSink | None = None
         if self.executor is not None:
-            self.executor_sink = ExecutorSink(
-                self.executor, block_size_bytes=settings.block_size_bytes
-            )
+            self.executor_sink = ExecutorSink(self.executor, block_size_bytes=self._store_bytes)
             sinks.append(self.executor_sink)
         for endpoint in settings.decision_endpoints:
             sinks.append(open_sink(endpoint))
@@ -264,6 +276,7 @@ class Service:
             deadline_ms=settings.decision_deadline_ms,
             # An executor here stands in for the engine: it stores computed blocks too.
             on_store=self.executor_sink.place_store if self.executor_sink is not None else None,
+            placement=self.placement,
         )
         self.sidecar.hooks.append(self._track_now)
         self.sidecar.hooks.append(self.decisions)
@@ -291,18 +304,27 @@ class Service:
             from executor.sim import SimulatedExecutor, load_profile
 
             profile = load_profile(None if ep.target == "default" else ep.target)
-            self.executor = SimulatedExecutor(
+            caps = s.tier_capacities_blocks
+            # The planner alone picks victims (on_full="refuse"); the executor's tiers
+            # get the headroom that lets every round's moves be ordered to fit.
+            sim = SimulatedExecutor(
                 profile,
                 tiers=s.tier_names,
-                capacity_blocks=dict(zip(s.tier_names, s.tier_capacities_blocks, strict=True)),
+                capacity_blocks={
+                    name: cap + APPLY_HEADROOM_BLOCKS
+                    for name, cap in zip(s.tier_names, caps, strict=True)
+                },
+                on_full="refuse",
             )
-            caps = s.tier_capacities_blocks
+            self.executor, self._store_bytes = sim, sim.block_bytes
             return s.tier_names, caps
         if ep.scheme == "local":
-            self.executor = load_local_executor(ep.target, self._now_for_executor)
-            names = tuple(self.executor.tier_names)
+            local = load_local_executor(ep.target, self._now_for_executor)
+            self.executor, self._store_bytes = local, s.block_size_bytes
+            names = tuple(local.tier_names)
             caps = tuple(
-                max(1, self.executor.tier(n).capacity_bytes // s.block_size_bytes) for n in names
+                max(1, local.tier(n).capacity_bytes // s.block_size_bytes - APPLY_HEADROOM_BLOCKS)
+                for n in names
             )
             return names, caps
         return s.tier_names, s.tier_capacities_blocks
