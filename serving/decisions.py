@@ -3,8 +3,8 @@
 Primitives:
 
 - ``DecisionMaker``: a ``Sidecar`` hook (``(event, moves, now_ms)``). It puts a
-  round's moves in an order an executor that refuses full tiers can apply
-  (``order_for_room``), turns each ``Move`` into a ``Decision`` and hands the batch to a
+  round's moves, one per block (``net_moves``), in an order an executor that refuses
+  full tiers can apply (``order_for_room``), turns each ``Move`` into a ``Decision`` and hands the batch to a
   sink. Decision ids are derived
   from (origin, block, action, from tier, to tier), where the origin is the request id
   for a request's moves and ``<last request id>+prefetch`` for the prefetch round that
@@ -74,6 +74,35 @@ the moves of any planner round have an order in which each lands in a tier with 
 victim cascades back into the first has none (each move waits for another)."""
 
 
+def net_moves(moves: list[Move]) -> list[Move]:
+    """One move per block: from where it was before the round to where the round left
+    it (a request's block promoted to the fastest tier and demoted again at once
+    becomes one promote to where it stays; a block that ends where it started makes
+    no move). In the order of each block's first move."""
+    chains: dict[int, list[Move]] = {}
+    for m in moves:
+        chains.setdefault(m.block, []).append(m)
+    out: list[Move] = []
+    for block, chain in chains.items():
+        if len(chain) == 1:
+            out.append(chain[0])
+            continue
+        src, dst = chain[0].from_tier, chain[-1].to_tier
+        if src == dst:
+            continue
+        kind: MoveKind
+        if src == NOWHERE:
+            kind = "store"
+        elif dst == NOWHERE:
+            kind = "evict"
+        elif dst < src:
+            kind = "prefetch" if any(m.kind == "prefetch" for m in chain) else "demand"
+        else:
+            kind = "demote"
+        out.append(Move(block, src, dst, chain[-1].score, kind))
+    return out
+
+
 def order_for_room(
     moves: list[Move], counts_after: Sequence[int], limits: Sequence[int]
 ) -> list[Move]:
@@ -82,12 +111,14 @@ def order_for_room(
     ``limits[t]``: a move waits until its destination has room, a block's moves keep
     their order, and otherwise the planner's order stands (O(moves)).
 
-    With ``limits`` = the planner's capacities + ``APPLY_HEADROOM_BLOCKS`` such an
-    order always exists: a tier that is full at its limit and still to receive a block
-    must, to end within its capacity, still send more blocks than it receives, so some
-    full tier always has a move out that can go. Should none exist (limits without the
-    headroom), the moves left go last in the planner's order, and the executor refuses
-    those that do not fit."""
+    For ``net_moves`` (one move per block) and ``limits`` = the planner's capacities +
+    ``APPLY_HEADROOM_BLOCKS`` such an order always exists: a tier full at its limit
+    that is still to receive a block must, to end within its capacity, still send more
+    blocks than it receives, and each of those can go as soon as its own destination
+    has room; among full tiers, sends exceed receipts, so some send leaves them. (With
+    several moves per block, a tier's sends can wait on blocks that have yet to enter
+    it, and that argument fails.) Should no order exist, the moves left go last in the
+    planner's order, and the executor refuses those that do not fit."""
     count = list(counts_after)
     chains: dict[int, list[Move]] = {}
     for m in moves:  # back to the counts the round started from
@@ -151,8 +182,9 @@ class DecisionMaker:
     hot swap shows in the next decisions). ``on_store`` is told about ``store`` moves
     (blocks the engine computes into ``to_tier``); an executor standing in for the
     engine uses it: the decisions before a store are emitted first, so they make its
-    room. ``placement`` (the sidecar's) turns on ``order_for_room`` with limits of its
-    capacities + ``APPLY_HEADROOM_BLOCKS``; without it the planner's order stands.
+    room. ``placement`` (the sidecar's) turns on ``net_moves`` and ``order_for_room``
+    with limits of its capacities + ``APPLY_HEADROOM_BLOCKS``; without it every move
+    is sent, in the planner's order.
     """
 
     def __init__(
@@ -185,7 +217,7 @@ class DecisionMaker:
         if p is not None and moves:
             counts = [p.count(t) for t in range(p.num_tiers)]
             limits = [c + APPLY_HEADROOM_BLOCKS for c in p.capacities]
-            moves = order_for_room(moves, counts, limits)
+            moves = order_for_room(net_moves(moves), counts, limits)
         # One batch per round; with an engine stand-in, one per stretch between stores.
         decisions = self.make(origin, moves, now_ms, emit_before_store=True)
         if decisions:
