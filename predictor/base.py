@@ -117,6 +117,12 @@ class Policy(abc.ABC):
     def score(self, block_hashes: np.ndarray, now_ms: int) -> np.ndarray:
         """float32 scores, one per hash in ``block_hashes`` (uint64), same order."""
 
+    @property
+    def time_base(self) -> dict[str, Any] | None:
+        """The time base a learned model was trained on (unit, clock, scale); None for
+        a policy with no trained model. Serving refuses a model whose base differs."""
+        return None
+
     # --- hot swap -----------------------------------------------------------------
 
     def handover_state(self) -> object | None:
