@@ -126,7 +126,7 @@ class MlflowResolver(Resolver):
         return tracking.model_version_for_uri(uri, store_uri=self.tracking_uri)
 
     def download(self, uri: str, scratch: Path) -> Path:
-        from training import tracking
+        from training import tracking  # the same allowed exception as in version()
 
         return tracking.resolve_policy_dir(uri, dst=scratch, store_uri=self.tracking_uri)
 
