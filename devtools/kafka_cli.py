@@ -86,7 +86,7 @@ def up(
     click.echo(f"Kafka {KAFKA_VERSION} {note}: pid {status.pid}, bootstrap {status.bootstrap}")
     path = bootstrap_file()
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(status.bootstrap + "\n", encoding="utf-8")
+    path.write_text(f"{status.bootstrap}\n", encoding="utf-8")
     if status.bootstrap != DEFAULT_BOOTSTRAP:
         click.echo(
             f"port {default_port} was taken: the broker listens on {status.bootstrap}; "

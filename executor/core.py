@@ -4,16 +4,21 @@ Primitives:
 
 - ``Executor(tiers, ExecutorParams(...))``: recovers on construction (see below);
   ``last_recovery`` says what it found.
-- ``apply(decisions) -> list[Outcome]``: in parallel across blocks (each move runs in
-  the thread pool of the tier it reads from), in order for the same block.
-- ``apply_one(decision) -> Outcome``: the same, synchronously.
+- ``apply(decisions) -> list[Outcome]``: the ``executor.protocol.Executor`` batch
+  call. In order, with moves of different blocks run in parallel (each in the thread
+  pool of the tier it reads from) within stretches of the batch whose writes fit in
+  their destinations whatever the interleaving, so a promote that the batch makes room
+  for never races the demote that makes it.
+- ``apply_one(decision) -> Outcome``: one decision, synchronously.
 - ``read(block) -> Buffer | None``: from the fastest tier holding it; a corrupt copy
   is quarantined and reported as a miss (None), never served.
-- ``write(block, data, tier)``: store a new block (KV an engine just computed).
-- ``locate(block)``, ``is_pinned(block)``, ``stats()``, ``close()``.
+- ``write(block, data, tier)``: store a new block (KV an engine just computed);
+  ``store(block, tier, size_bytes)`` does it with a zero payload (an engine stand-in).
+- ``locate(block)``, ``capacities()``, ``occupancy()``, ``health()``, ``is_pinned(block)``,
+  ``stats()``, ``close()``.
 
 A move (promote or demote) is: journal ``begin`` -> read the source (CRC32C verified)
--> make room at the destination if needed -> write the destination atomically (temp
+-> refuse if the destination has no room -> write the destination atomically (temp
 name, fsync, verify, rename) -> discard the source -> journal ``done``. A crash
 anywhere leaves the block in the source, or in both (recovery finishes the move), or
 in the destination; never nowhere. Moves into volatile tiers (memory, GPU) lose the
@@ -25,11 +30,10 @@ the journal shows in flight are finished (block in both tiers: drop the source) 
 rolled back (only in the source); any other duplicate keeps its fastest copy.
 
 Idempotence: a decision id that was applied or skipped is remembered in the journal
-and answered ``skipped: duplicate decision id`` forever after (the newest
-``max_remembered_ids``). Capacity: tiers refuse writes that do not fit; a move into a
-full tier first demotes the destination's least recently used unpinned blocks one
-tier down (``on_full="demote"``), or is refused (``on_full="refuse"``). Nothing is
-ever dropped to make room. Budgets: ``prefetch_budget_bytes_per_s`` caps promote
+and answered ``duplicate`` forever after (the newest ``max_remembered_ids``).
+Capacity: a move or write into a tier without room is refused (``refused_full``); the
+executor never picks a victim to make room (the planner alone decides what leaves a
+tier, and sends the demotes first). Budgets: ``prefetch_budget_bytes_per_s`` caps promote
 traffic into a tier; a promote that would wait past its deadline is skipped.
 """
 
@@ -39,17 +43,19 @@ import threading
 import time
 import zlib
 from collections import OrderedDict
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal
+from typing import Any
 
+from executor import protocol
 from executor.bandwidth import TokenBucket
 from executor.block_ids import BlockId, block_key
 from executor.decision import Decision
 from executor.journal import Journal
 from executor.names import TIER_RANK
+from executor.protocol import Outcome, OutcomeStatus, TierSpace
 from executor.tier import (
     BlockNotFoundError,
     Buffer,
@@ -60,7 +66,6 @@ from executor.tier import (
     TierFullError,
 )
 
-Status = Literal["applied", "skipped", "failed"]
 _NUM_LOCK_STRIPES = 1024
 
 
@@ -72,10 +77,6 @@ def wall_clock_ms() -> float:
 class ExecutorParams:
     state_dir: str | Path | None = None
     """Where the journal lives. None: idempotence and pins last only this process."""
-    on_full: Literal["demote", "refuse"] = "demote"
-    """A promote into a full tier demotes its LRU unpinned blocks, or is refused."""
-    max_demote_depth: int = 3
-    """How many tiers down one move may cascade to make room."""
     fsync_journal: bool = True
     """fsync each journal record (power-loss safety; a killed process loses nothing
     either way)."""
@@ -90,31 +91,11 @@ class ExecutorParams:
     """Longest a promote without a deadline waits for budget before it is skipped."""
 
     def __post_init__(self) -> None:
-        if self.on_full not in ("demote", "refuse"):
-            raise ValueError(f"on_full must be 'demote' or 'refuse', got {self.on_full!r}")
-        if self.max_demote_depth < 0:
-            raise ValueError("max_demote_depth must be >= 0")
         for name, rate in self.prefetch_budget_bytes_per_s.items():
             if name not in TIER_RANK or not rate > 0:
                 raise ValueError(
                     f"prefetch budget {name!r}: {rate} (need a tier name and a rate > 0)"
                 )
-
-
-@dataclass(frozen=True)
-class Outcome:
-    """What happened to one decision."""
-
-    decision_id: str
-    status: Status
-    reason: str = ""
-    """Why it was skipped or failed (empty when applied)."""
-    block_hash: int | None = None
-    from_tier: str | None = None
-    """Where the block was (for moves: the tier it was read from)."""
-    to_tier: str | None = None
-    size_bytes: int = 0
-    duration_ms: float = 0.0
 
 
 @dataclass
@@ -144,7 +125,9 @@ class ExecutorStats:
     """(from tier, to tier) -> payload bytes moved."""
 
 
-class Executor:
+class Executor(protocol.Executor):
+    """The bundled executor of real tiers; implements ``executor.protocol.Executor``."""
+
     def __init__(
         self,
         tiers: Sequence[Tier],
@@ -204,6 +187,28 @@ class Executor:
         """The tier holding ``block``, or None."""
         return self._where.get(block_key(block))
 
+    def capacities(self) -> dict[str, TierSpace]:
+        """Tier -> capacity in bytes (blocks vary in size: no block count)."""
+        return {n: TierSpace(None, self._tiers[n].capacity_bytes) for n in self._order}
+
+    def occupancy(self) -> dict[str, TierSpace]:
+        """Tier -> blocks and payload bytes held now."""
+        with self._index_lock:
+            counts = {n: len(self._lru[n]) for n in self._order}
+        return {n: TierSpace(counts[n], self._tiers[n].used_bytes) for n in self._order}
+
+    def health(self) -> dict[str, Any]:
+        """``status`` "ok", tier names, decisions by outcome, and what recovery found."""
+        st = self.stats()
+        return {
+            "status": "ok",
+            "tiers": list(self._order),
+            "num_decisions": {"applied": st.num_applied, "skipped": st.num_skipped,
+                              "failed": st.num_failed},
+            "recovery_quarantined": self.last_recovery.quarantined,
+            "recovery_moves_lost": len(self.last_recovery.moves_lost),
+        }  # fmt: skip
+
     def is_pinned(self, block: BlockId) -> bool:
         return block_key(block) in self.journal.pins
 
@@ -246,26 +251,22 @@ class Executor:
             return result
 
     def write(self, block: BlockId, data: Buffer, tier: str) -> Outcome:
-        """Store a new or recomputed block in ``tier`` (making room as a promote
-        would); an older copy elsewhere is discarded after the write commits."""
+        """Store a new or recomputed block in ``tier`` (refused when it has no room);
+        an older copy elsewhere is discarded after the write commits."""
         key = block_key(block)
         size = memoryview(data).nbytes
         start = time.perf_counter()
         with self._lock_for(key):
             target = self._tiers[tier]
             old = self._where.get(key)
-            if (
-                old != tier
-                and target.free_bytes < size
-                and not self._make_room(tier, size, f"write:{key}", 0)
-            ):
+            if old != tier and target.free_bytes < size:
                 return self._outcome(
-                    "write", "skipped", f"no room in {tier}", block, old, tier, start
+                    "write", "refused_full", f"no room in {tier}", block, old, tier, start
                 )
             try:
                 target.write(key, data)
             except TierFullError as exc:
-                return self._outcome("write", "skipped", str(exc), block, old, tier, start)
+                return self._outcome("write", "refused_full", str(exc), block, old, tier, start)
             except (OSError, TierError) as exc:
                 return self._outcome(
                     "write", "failed", f"write to {tier} failed: {exc}", block, old, tier, start
@@ -275,15 +276,53 @@ class Executor:
             self._index(key, tier)
             return self._outcome("write", "applied", "", block, old, tier, start, size)
 
+    def store(self, block: BlockId, tier: str, size_bytes: int) -> Outcome:
+        """``write`` a zero payload of ``size_bytes``: an engine stand-in storing the KV
+        it just computed (``serve --executor local:``)."""
+        return self.write(block, bytes(size_bytes), tier)
+
     # -- decisions --------------------------------------------------------------------
-    def apply(self, decisions: Iterable[Decision]) -> list[Outcome]:
-        """Apply decisions in parallel across blocks; decisions for the same block run
-        in the order given. Returns one ``Outcome`` per decision, in input order."""
+    def apply(self, decisions: Sequence[Decision]) -> list[Outcome]:
+        """Apply a batch in order; one ``Outcome`` per decision, in input order.
+
+        The batch is cut into stretches whose writes fit in their destinations' free
+        bytes even if none of the stretch's moves out of those tiers had run; within a
+        stretch, different blocks' moves run in parallel (same block: in order).
+        So a promote never runs before the demote the batch put ahead of it to make
+        its room."""
         items = list(decisions)
-        groups: dict[str, list[int]] = {}
-        for i, decision in enumerate(items):
-            groups.setdefault(block_key(decision.block_hash), []).append(i)
         outcomes: list[Outcome | None] = [None] * len(items)
+        start = 0
+        while start < len(items):
+            end = self._fitting_stretch(items, start)
+            self._apply_parallel(items, range(start, end), outcomes)
+            start = end
+        return [o for o in outcomes if o is not None]
+
+    def _fitting_stretch(self, items: list[Decision], start: int) -> int:
+        """End (exclusive) of the longest stretch from ``start`` whose moves fit in
+        their destinations whatever their order; a move that does not fit now is a
+        stretch of its own."""
+        free = {name: self._tiers[name].free_bytes for name in self._order}
+        end = start
+        while end < len(items):
+            d = items[end]
+            if d.action in ("promote", "demote") and d.to_tier in free:
+                where = self._where.get(block_key(d.block_hash))
+                size = (self._tiers[where].size_of(d.block_hash) or 0) if where else 0
+                if free[d.to_tier] < size:
+                    # Alone, so that it is refused before what follows makes room.
+                    return end if end > start else end + 1
+                free[d.to_tier] -= size
+            end += 1
+        return end
+
+    def _apply_parallel(
+        self, items: list[Decision], span: range, outcomes: list[Outcome | None]
+    ) -> None:
+        groups: dict[str, list[int]] = {}
+        for i in span:
+            groups.setdefault(block_key(items[i].block_hash), []).append(i)
 
         def run(indexes: list[int]) -> None:
             for i in indexes:
@@ -297,7 +336,6 @@ class Executor:
             futures.append(pool.submit(run, indexes))
         for future in futures:
             future.result()
-        return [o for o in outcomes if o is not None]
 
     def apply_one(self, decision: Decision) -> Outcome:
         did = decision.decision_id
@@ -308,7 +346,7 @@ class Executor:
                 self._inflight_ids.add(did)
         if duplicate:
             out = self._outcome(
-                did, "skipped", "duplicate decision id", decision.block_hash, None, None, start
+                did, "duplicate", "duplicate decision id", decision.block_hash, None, None, start
             )
             self._count(num_skipped=1)
             return out
@@ -329,34 +367,35 @@ class Executor:
                 self._inflight_ids.discard(did)
         if out.status != "failed":
             self.journal.decision_done(did, out.status)
-        self._count(**{f"num_{out.status}": 1})
+        kind = out.status if out.status in ("applied", "failed") else "skipped"
+        self._count(**{f"num_{kind}": 1})
         return out
 
     def _apply(self, d: Decision, start: float) -> Outcome:
         did, block = d.decision_id, d.block_hash
         if d.deadline_ms is not None and self._clock_ms() > d.deadline_ms:
             return self._outcome(
-                did, "skipped", "deadline passed", block, d.from_tier, d.to_tier, start
+                did, "expired", "deadline passed", block, d.from_tier, d.to_tier, start
             )
         key = block_key(block)
         with self._lock_for(key):
             where = self._where.get(key)
 
-            def skip(reason: str) -> Outcome:
-                return self._outcome(did, "skipped", reason, block, where, d.to_tier, start)
+            def skip(status: OutcomeStatus, reason: str) -> Outcome:
+                return self._outcome(did, status, reason, block, where, d.to_tier, start)
 
             if where is None:
-                return skip("not cached")
+                return skip("missing", "not cached")
             if d.from_tier is not None and d.from_tier != where:
-                return skip(f"block is in {where}, not {d.from_tier}")
+                return skip("stale", f"block is in {where}, not {d.from_tier}")
             pinned = key in self.journal.pins
             if d.action == "pin" or d.action == "unpin":
                 if (d.action == "pin") == pinned:
-                    return skip(f"already {d.action}ned")
+                    return skip("stale", f"already {d.action}ned")
                 self.journal.set_pin(key, d.action == "pin")
                 return self._outcome(did, "applied", "", block, where, where, start)
             if pinned:
-                return skip("pinned")
+                return skip("refused_pinned", "pinned")
             if d.action == "evict":
                 self._tiers[where].discard(key)
                 self._unindex(key)
@@ -373,9 +412,11 @@ class Executor:
                     start,
                 )
             if d.to_tier == where:
-                return skip(f"already in {where}")
+                return skip("stale", f"already in {where}")
             if (TIER_RANK[d.to_tier] < TIER_RANK[where]) != (d.action == "promote"):
-                return skip(f"block is in {where}; {d.action} to {d.to_tier} does not apply")
+                return skip(
+                    "stale", f"block is in {where}; {d.action} to {d.to_tier} does not apply"
+                )
             size = self._tiers[where].size_of(key) or 0
             budget = self._budgets.get(d.to_tier) if d.action == "promote" else None
             if budget is not None:
@@ -386,20 +427,20 @@ class Executor:
                 )
                 wait_s = budget.reserve(size, max(0.0, limit_ms) / 1000.0)
                 if wait_s is None:
-                    return skip(f"prefetch bandwidth budget of {d.to_tier} exhausted")
+                    return skip(
+                        "refused_budget", f"prefetch bandwidth budget of {d.to_tier} exhausted"
+                    )
                 if wait_s > 0:
                     time.sleep(wait_s)
-            status, reason, moved = self._move(key, where, d.to_tier, did, 0)
+            status, reason, moved = self._move(key, where, d.to_tier, did)
             return self._outcome(did, status, reason, block, where, d.to_tier, start, moved)
 
     # -- moves ------------------------------------------------------------------------
-    def _move(
-        self, key: str, src: str, dst: str, move_id: str, depth: int
-    ) -> tuple[Status, str, int]:
+    def _move(self, key: str, src: str, dst: str, move_id: str) -> tuple[OutcomeStatus, str, int]:
         """Move one block; the caller holds its stripe lock. Returns (status, reason, bytes)."""
         source, target = self._tiers[src], self._tiers[dst]
         self.journal.begin_move(move_id, key, src, dst)
-        status: Status = "failed"
+        status: OutcomeStatus = "failed"
         try:
             try:
                 data, crc = source.read_with_checksum(key)
@@ -412,16 +453,13 @@ class Executor:
                 return "failed", f"block vanished from {src}", 0
             size = memoryview(data).nbytes
             if target.free_bytes < size:
-                if self.params.on_full == "refuse":
-                    status = "skipped"
-                    return status, f"no room in {dst} (on_full=refuse)", 0
-                if not self._make_room(dst, size, move_id, depth):
-                    status = "skipped"
-                    return status, f"no room in {dst}: cannot demote enough unpinned blocks", 0
+                # Never a victim of our own choosing: the planner sends the demotes.
+                status = "refused_full"
+                return status, f"no room in {dst}", 0
             try:
                 target.write(key, data, checksum=crc)
             except TierFullError as exc:
-                status = "skipped"
+                status = "refused_full"
                 return status, str(exc), 0
             except (OSError, TierError) as exc:
                 return "failed", f"write to {dst} failed: {exc}", 0
@@ -434,43 +472,9 @@ class Executor:
             status = "applied"
             return status, "", size
         finally:
-            # Decisions end their move with their "done" record; everything else here.
-            if status == "failed" or depth > 0:
+            # Decisions end their move with their "done" record; a failed one here.
+            if status == "failed":
                 self.journal.end_move(move_id)
-
-    def _make_room(self, tier: str, size: int, parent_id: str, depth: int) -> bool:
-        """Demote LRU unpinned blocks of ``tier`` one tier down until ``size`` fits."""
-        rank = self._order.index(tier)
-        if depth >= self.params.max_demote_depth or rank + 1 >= len(self._order):
-            return False
-        lower = self._order[rank + 1]
-        target = self._tiers[tier]
-        tried: set[str] = set()
-        while target.free_bytes < size:
-            victim = self._pick_victim(tier, tried)
-            if victim is None:
-                return False
-            tried.add(victim)
-            lock = self._lock_for(victim)
-            if not lock.acquire(blocking=False):
-                continue
-            try:
-                if self._where.get(victim) != tier or victim in self.journal.pins:
-                    continue
-                demote_id = f"{parent_id}>demote:{victim}"
-                # A victim that cannot move is left where it is; the next one is tried.
-                self._move(victim, tier, lower, demote_id, depth + 1)
-            finally:
-                lock.release()
-        return True
-
-    def _pick_victim(self, tier: str, tried: set[str]) -> str | None:
-        pins = self.journal.pins
-        with self._index_lock:
-            for key in self._lru[tier]:
-                if key not in tried and key not in pins:
-                    return key
-        return None
 
     # -- index ------------------------------------------------------------------------
     def _lock_for(self, key: str) -> threading.RLock:
@@ -503,7 +507,7 @@ class Executor:
     def _outcome(
         self,
         decision_id: str,
-        status: Status,
+        status: OutcomeStatus,
         reason: str,
         block: BlockId | None,
         src: str | None,

@@ -9,9 +9,8 @@ One decision moves, drops or pins one block::
   wherever it is when ``from_tier`` is None).
 - ``demote``: move the block to a slower ``to_tier``.
 - ``evict``: drop the block from ``from_tier`` (from every tier when None).
-- ``pin`` / ``unpin``: keep the block where it is; the executor's own fallback
-  (making room for a promote) never moves a pinned block, and explicit demote/evict
-  of a pinned block is skipped.
+- ``pin`` / ``unpin``: keep the block where it is; a demote/evict of a pinned block
+  is refused (``refused_pinned``).
 
 ``decision_id`` makes delivery idempotent: the executor applies each id at most
 once, across restarts. ``deadline_ms`` (wall-clock or simulated ms, same clock as

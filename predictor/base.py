@@ -17,9 +17,15 @@ Primitives (when each is called):
 - ``save(directory)`` / ``load(directory)``: persist the parameters and any learned
   model (not the online state, which is rebuilt from the stream). A loaded policy fed
   the same events gives identical scores.
+- ``handover_state()`` / ``adopt_state(state)``: at a hot swap, the outgoing policy
+  hands its online state over and the incoming one takes it if it can use it as is
+  (default: nothing handed over, nothing taken; the newcomer is warmed by replaying
+  recent requests instead).
 
 Each policy owns a frozen, typed ``Params`` (pydantic): every field has a default, a
-constraint and a description. ``needs_future`` marks the oracle: serving must refuse it.
+constraint and a description. Declared capabilities, read by serving (never probed):
+``needs_future`` marks the oracle, which only a replay may run (``Sidecar(...,
+allow_future=True)``); ``fitted`` is False for a learned policy without a model.
 """
 
 from __future__ import annotations
@@ -81,6 +87,10 @@ class Policy(abc.ABC):
     """True only for the oracle: it reads next-access annotations that no live system
     has. Serving checks this flag and refuses to run such a policy."""
 
+    fitted: bool = True
+    """False while a learned policy has no model (it cannot score); always True for
+    policies that learn nothing offline."""
+
     outputs_probability: ClassVar[bool] = False
     """True when ``score`` is a calibrated probability of reuse within the horizon
     (learned policies); baselines return ranks only."""
@@ -106,6 +116,23 @@ class Policy(abc.ABC):
     @abc.abstractmethod
     def score(self, block_hashes: np.ndarray, now_ms: int) -> np.ndarray:
         """float32 scores, one per hash in ``block_hashes`` (uint64), same order."""
+
+    @property
+    def time_base(self) -> dict[str, Any] | None:
+        """The time base a learned model was trained on (unit, clock, scale); None for
+        a policy with no trained model. Serving refuses a model whose base differs."""
+        return None
+
+    # --- hot swap -----------------------------------------------------------------
+
+    def handover_state(self) -> object | None:
+        """The online state a successor may take over at a hot swap (None: nothing)."""
+        return None
+
+    def adopt_state(self, state: object | None) -> bool:
+        """Take over ``state`` from the policy being replaced, if usable as is; says
+        whether it did. Called once, before this policy scores its first event."""
+        return False
 
     # --- persistence --------------------------------------------------------------
 

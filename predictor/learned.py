@@ -132,6 +132,19 @@ class LearnedPolicy(Policy):
         """Train on feature rows with ``reused_within_H`` labels (bool); validation rows
         drive early stopping. Returns ``self``."""
 
+    def handover_state(self) -> object | None:
+        return self.state
+
+    def adopt_state(self, state: object | None) -> bool:
+        """Share the outgoing policy's ``FeatureState`` when it computes the same
+        features (same ``FeatureParams``): no gap in history at all."""
+        if not isinstance(state, FeatureState) or type(state) is not type(self.state):
+            return False
+        if state.params != self.feature_params:
+            return False
+        self.state = state
+        return True
+
     def fresh_copy(self) -> LearnedPolicy:
         """Same params and model, empty online state (what ``load`` would give)."""
         clone = type(self)(self.params, self.feature_params)

@@ -2,16 +2,19 @@
 
 Primitives:
 
-- ``DecisionMaker``: a ``Sidecar`` hook (``(event, moves, now_ms)``). It turns each
-  ``Move`` into a ``Decision`` and hands the batch to a sink. Decision ids are derived
+- ``DecisionMaker``: a ``Sidecar`` hook (``(event, moves, now_ms)``). It puts a
+  round's moves, one per block (``net_moves``), in an order an executor that refuses
+  full tiers can apply (``order_for_room``), turns each ``Move`` into a ``Decision`` and hands the batch to a
+  sink. Decision ids are derived
   from (origin, block, action, from tier, to tier), where the origin is the request id
   for a request's moves and ``<last request id>+prefetch`` for the prefetch round that
   follows it, so an event delivered twice (after a crash, before its offset was
   committed) yields the same ids and the executor applies them once.
 - Sinks (``DecisionSink``: ``emit(decisions)``, ``flush()``, ``close()``):
   ``JsonlDecisionSink`` (a file, one JSON object a line), ``KafkaDecisionSink`` (from
-  ``serving.kafka_io``, built by ``open_sink``), ``ExecutorSink`` (applies each decision
-  to an executor and counts outcomes by status), ``FanOutSink`` (several at once).
+  ``serving.kafka_io``, built by ``open_sink``), ``ExecutorSink`` (applies each batch to
+  an ``executor.protocol.Executor`` and counts outcomes by status), ``FanOutSink``
+  (several at once).
   ``flush`` is where delivery is confirmed; the loop calls it before committing the
   source's offsets.
 
@@ -34,7 +37,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
@@ -44,9 +47,10 @@ import msgspec
 from executor.decision import Decision
 from executor.kvhints import ack_status_of
 from executor.kvhints import decision_format as decision_format_named
+from executor.protocol import Executor, Outcome
 from features.events import BlocksAccessed
-from serving.placement import NOWHERE
-from serving.planner import Move
+from serving.placement import NOWHERE, Placement
+from serving.planner import Move, MoveKind
 from serving.settings import Endpoint
 
 log = logging.getLogger(__name__)
@@ -55,7 +59,7 @@ ModelInfo = Callable[[], tuple[str, str]]
 """() -> (policy name, model version) of the policy scoring right now."""
 
 # Move kind -> decision action ("" = no decision). bypass/demote to NOWHERE is evict.
-_ACTION: dict[str, str] = {
+_ACTION: dict[MoveKind, str] = {
     "demand": "promote",
     "prefetch": "promote",
     "demote": "demote",
@@ -63,6 +67,94 @@ _ACTION: dict[str, str] = {
     "evict": "evict",
     "store": "",
 }
+
+
+APPLY_HEADROOM_BLOCKS = 1
+"""Room, in blocks, an executor's tiers need beyond the planner's capacities. With it,
+the moves of any planner round have an order in which each lands in a tier with room
+(``order_for_room``); without it, a promote out of a full tier into a full tier whose
+victim cascades back into the first has none (each move waits for another)."""
+
+
+def net_moves(moves: list[Move]) -> list[Move]:
+    """One move per block: from where it was before the round to where the round left
+    it (a request's block promoted to the fastest tier and demoted again at once
+    becomes one promote to where it stays; a block that ends where it started makes
+    no move). In the order of each block's first move."""
+    chains: dict[int, list[Move]] = {}
+    for m in moves:
+        chains.setdefault(m.block, []).append(m)
+    out: list[Move] = []
+    for block, chain in chains.items():
+        if len(chain) == 1:
+            out.append(chain[0])
+            continue
+        src, dst = chain[0].from_tier, chain[-1].to_tier
+        if src == dst:
+            continue
+        kind: MoveKind
+        if src == NOWHERE:
+            kind = "store"
+        elif dst == NOWHERE:
+            kind = "evict"
+        elif dst < src:
+            kind = "prefetch" if any(m.kind == "prefetch" for m in chain) else "demand"
+        else:
+            kind = "demote"
+        out.append(Move(block, src, dst, chain[-1].score, kind))
+    return out
+
+
+def order_for_room(
+    moves: list[Move], counts_after: Sequence[int], limits: Sequence[int]
+) -> list[Move]:
+    """``moves`` (one planner round, which left tier ``t`` holding ``counts_after[t]``
+    blocks) reordered so that, applied one by one, no tier ever holds more than
+    ``limits[t]``: a move waits until its destination has room, a block's moves keep
+    their order, and otherwise the planner's order stands (O(moves)).
+
+    For ``net_moves`` (one move per block) and ``limits`` = the planner's capacities +
+    ``APPLY_HEADROOM_BLOCKS`` such an order always exists: a tier full at its limit
+    that is still to receive a block must, to end within its capacity, still send more
+    blocks than it receives, and each of those can go as soon as its own destination
+    has room; among full tiers, sends exceed receipts, so some send leaves them. (With
+    several moves per block, a tier's sends can wait on blocks that have yet to enter
+    it, and that argument fails.) Should no order exist, the moves left go last in the
+    planner's order, and the executor refuses those that do not fit."""
+    count = list(counts_after)
+    chains: dict[int, list[Move]] = {}
+    for m in moves:  # back to the counts the round started from
+        if m.to_tier != NOWHERE:
+            count[m.to_tier] -= 1
+        if m.from_tier != NOWHERE:
+            count[m.from_tier] += 1
+        chains.setdefault(m.block, []).append(m)
+    ready: deque[Move] = deque(chain[0] for chain in chains.values())
+    next_in_chain = {block: 1 for block in chains}
+    waiting: list[deque[Move]] = [deque() for _ in limits]
+    out: list[Move] = []
+    while ready:
+        m = ready.popleft()
+        dst = m.to_tier
+        if dst != NOWHERE and count[dst] >= limits[dst]:
+            waiting[dst].append(m)
+            continue
+        out.append(m)
+        if dst != NOWHERE:
+            count[dst] += 1
+        if m.from_tier != NOWHERE:
+            count[m.from_tier] -= 1
+            if waiting[m.from_tier]:
+                ready.append(waiting[m.from_tier].popleft())
+        chain = chains[m.block]
+        i = next_in_chain[m.block]
+        if i < len(chain):
+            next_in_chain[m.block] = i + 1
+            ready.append(chain[i])
+    if len(out) < len(moves):
+        placed = {id(m) for m in out}
+        out += [m for m in moves if id(m) not in placed]
+    return out
 
 
 def decision_id(
@@ -91,7 +183,10 @@ class DecisionMaker:
     ``model_info`` names the policy and version that scored (asked once per call, so a
     hot swap shows in the next decisions). ``on_store`` is told about ``store`` moves
     (blocks the engine computes into ``to_tier``); an executor standing in for the
-    engine uses it.
+    engine uses it: the decisions before a store are emitted first, so they make its
+    room. ``placement`` (the sidecar's) turns on ``net_moves`` and ``order_for_room``
+    with limits of its capacities + ``APPLY_HEADROOM_BLOCKS``; without it every move
+    is sent, in the planner's order.
     """
 
     def __init__(
@@ -102,29 +197,40 @@ class DecisionMaker:
         *,
         deadline_ms: int = 5_000,
         on_store: Callable[[int, str, int], None] | None = None,
+        placement: Placement | None = None,
     ) -> None:
         self.tier_names = list(tier_names)
         self.sink = sink
         self.model_info = model_info
         self.deadline_ms = deadline_ms
         self.on_store = on_store
+        self.placement = placement
         self.num_decisions = 0
         self.by_action_tier: Counter[tuple[str, str]] = Counter()
         """(action, tier) -> decisions; tier is to_tier, or from_tier for evict."""
         self._last_origin = "start"
-        self._stored = False
 
     def __call__(self, event: BlocksAccessed | None, moves: list[Move], now_ms: int) -> None:
         if event is not None:
             origin = self._last_origin = event.request_id
         else:  # the prefetch round right after a request, or an idle-time round
             origin = f"{self._last_origin}+prefetch@{now_ms}"
-        decisions = self.make(origin, moves, now_ms)
-        if decisions or self._stored:
+        p = self.placement
+        if p is not None and moves:
+            counts = [p.count(t) for t in range(p.num_tiers)]
+            limits = [c + APPLY_HEADROOM_BLOCKS for c in p.capacities]
+            moves = order_for_room(net_moves(moves), counts, limits)
+        # One batch per round; with an engine stand-in, one per stretch between stores.
+        decisions = self.make(origin, moves, now_ms, emit_before_store=True)
+        if decisions:
             self.sink.emit(decisions)
-            self._stored = False
 
-    def make(self, origin: str, moves: list[Move], now_ms: int) -> list[Decision]:
+    def make(
+        self, origin: str, moves: list[Move], now_ms: int, *, emit_before_store: bool = False
+    ) -> list[Decision]:
+        """Decisions for ``moves`` in their order; ``store`` moves go to ``on_store``
+        (after the decisions before them are emitted, with ``emit_before_store``) and
+        make no decision. Returns the decisions not yet emitted."""
         policy, version = self.model_info()
         names = self.tier_names
         deadline = now_ms + self.deadline_ms
@@ -136,15 +242,17 @@ class DecisionMaker:
             to_tier = names[m.to_tier] if m.to_tier != NOWHERE else None
             if not action:
                 if self.on_store is not None and to_tier is not None:
+                    if emit_before_store and out:
+                        self.sink.emit(out)
+                        out = []
                     self.on_store(m.block, to_tier, now_ms)
-                    self._stored = True
                 continue
             from_tier = names[m.from_tier] if m.from_tier != NOWHERE else None
             if to_tier is None:
                 action = "evict"
             did = decision_id(origin, m.block, action, from_tier, to_tier)
             if did in seen:  # the same move twice in one round: keep ids unique
-                did = decision_id(f"{origin}#{len(out)}", m.block, action, from_tier, to_tier)
+                did = decision_id(f"{origin}#{len(seen)}", m.block, action, from_tier, to_tier)
             seen.add(did)
             out.append(
                 Decision(
@@ -161,7 +269,7 @@ class DecisionMaker:
                 )
             )
             counts[(action, to_tier or from_tier or "")] += 1
-        self.num_decisions += len(out)
+            self.num_decisions += 1
         return out
 
 
@@ -206,109 +314,46 @@ class JsonlDecisionSink:
 
 
 class ExecutorSink:
-    """Applies each decision to an executor in this process and counts outcomes by
-    (action, status). Works with ``executor.Executor`` (``apply_one``, ``write``) and
-    ``executor.sim.SimulatedExecutor`` (``apply``, ``place``).
+    """Applies each emitted batch to an executor in this process
+    (``executor.protocol.Executor``: the real one or the simulated one, alike) and
+    counts outcomes by (action, status). The batch is applied as given: the
+    ``DecisionMaker`` ordered it so each move finds room.
 
-    ``place_store(block, tier, now_ms)`` stands in for the engine storing a block it
-    computed; stores are held and applied with the next ``emit``.
-
-    Order: the planner's moves of one request overfill a tier for a moment (it adds
-    the request's blocks, then makes room). Applied in that order, the executor would
-    make room by itself (its own LRU choice) and the planner's demotions would then
-    find their blocks elsewhere. So ``emit`` applies a move as soon as its destination
-    has room, keeping each block's moves in order; what is left when nothing fits (a
-    swap between two full tiers) is applied in the planner's order.
+    ``place_store(block, tier, now_ms)`` (a ``DecisionMaker`` ``on_store`` hook) stands
+    in for the engine storing a block it computed: ``executor.store`` of
+    ``block_size_bytes``.
     """
 
-    def __init__(self, executor: Any, *, block_size_bytes: int = 1) -> None:
+    def __init__(self, executor: Executor, *, block_size_bytes: int = 1) -> None:
         self.executor = executor
         self.block_size_bytes = block_size_bytes
-        self._payload = bytes(block_size_bytes)
-        self._stores: list[tuple[int, str, int]] = []
         self.outcomes: Counter[tuple[str, str]] = Counter()
-        """(action, status) -> count; action "store" counts engine stores."""
-        self.skip_reasons: Counter[str] = Counter()
+        """(action, status) -> count; action "store" counts engine stores. Statuses are
+        ``executor.protocol.OUTCOME_STATUSES``: a bounded label set."""
         self.acks: Counter[str] = Counter()
         """Outcomes in the hint vocabulary (accepted, missing, rejected ...)."""
-        self._sim = not hasattr(executor, "apply_one")
 
     def place_store(self, block: int, tier: str, now_ms: int) -> None:
-        self._stores.append((block, tier, now_ms))
-
-    def _has_room(self, tier: str | None) -> bool:
-        if tier is None:
-            return True
-        ex = self.executor
-        if self._sim:
-            return bool(ex.free_bytes(tier) >= ex.block_bytes)
-        return bool(ex.tier(tier).free_bytes >= self.block_size_bytes)
-
-    def _store(self, block: int, tier: str, now_ms: int) -> str:
-        if self._sim:
-            return "applied" if self.executor.place(block, tier, now_ms=now_ms) else "skipped"
-        outcome = self.executor.write(block, self._payload, tier)
-        return str(outcome.status)
-
-    def _apply(self, d: Decision) -> None:
-        outcome = self.executor.apply(d) if self._sim else self.executor.apply_one(d)
-        status = str(getattr(outcome, "status", "applied"))
-        self.outcomes[(d.action, status)] += 1
-        self.acks[ack_status_of(status, str(getattr(outcome, "reason", "")))] += 1
-        if status != "applied":
-            self.skip_reasons[_reason_kind(getattr(outcome, "reason", ""))] += 1
+        self._count("store", self.executor.store(block, tier, self.block_size_bytes))
 
     def emit(self, decisions: Sequence[Decision]) -> int:
-        # Items in planner order: stores come first for their block (NOWHERE -> tier).
-        pending: list[tuple[int, str | None, Decision | tuple[int, str, int]]] = [
-            (b, t, (b, t, now)) for b, t, now in self._stores
-        ]
-        pending += [(d.block_hash, d.to_tier, d) for d in decisions]
-        self._stores = []
-        while pending:
-            progressed = False
-            blocked: set[int] = set()
-            rest: list[tuple[int, str | None, Decision | tuple[int, str, int]]] = []
-            for item in pending:
-                block, dst, what = item
-                if block in blocked or not self._has_room(dst):
-                    blocked.add(block)  # its later moves wait for this one
-                    rest.append(item)
-                    continue
-                self._run(what)
-                progressed = True
-            pending = rest
-            if not progressed:  # nothing fits: the rest in planner order
-                for _, _, what in pending:
-                    self._run(what)
-                break
+        for d, outcome in zip(decisions, self.executor.apply(decisions), strict=True):
+            self._count(d.action, outcome)
         return len(decisions)
 
-    def _run(self, what: Decision | tuple[int, str, int]) -> None:
-        if isinstance(what, Decision):
-            self._apply(what)
-        else:
-            self.outcomes[("store", self._store(*what))] += 1
+    def _count(self, action: str, outcome: Outcome) -> None:
+        self.outcomes[(action, outcome.status)] += 1
+        self.acks[ack_status_of(outcome.status, outcome.reason)] += 1
+        if outcome.status == "failed":
+            log.warning(
+                "executor: %s of block %s failed: %s", action, outcome.block_hash, outcome.reason
+            )
 
     def flush(self) -> None:
-        """Applied synchronously in ``emit``; stores not yet applied go now."""
-        if self._stores:
-            self.emit([])
+        """Nothing buffered: ``emit`` applies synchronously."""
 
     def close(self) -> None:
-        self.flush()
-        close = getattr(self.executor, "close", None)
-        if close is not None:
-            close()
-
-
-def _reason_kind(reason: str) -> str:
-    """Outcome reasons carry tier names; keep a bounded label set for metrics."""
-    if reason.startswith("block is in"):
-        return "stale_view"
-    if reason.startswith("no room"):
-        return "no_room"
-    return reason or "unknown"
+        self.executor.close()
 
 
 class CacheLayerSink:
@@ -347,22 +392,22 @@ class FanOutSink:
             sink.emit(decisions)
         return len(decisions)
 
-    def _each(self, method: str) -> None:
+    def _each(self, what: str, call: Callable[[DecisionSink], None]) -> None:
         error: BaseException | None = None
         for sink in self.sinks:
             try:
-                getattr(sink, method)()
+                call(sink)
             except Exception as exc:
-                log.error("decision sink %s.%s failed: %s", type(sink).__name__, method, exc)
+                log.error("decision sink %s.%s failed: %s", type(sink).__name__, what, exc)
                 error = error or exc
         if error is not None:
             raise error
 
     def flush(self) -> None:
-        self._each("flush")
+        self._each("flush", lambda sink: sink.flush())
 
     def close(self) -> None:
-        self._each("close")
+        self._each("close", lambda sink: sink.close())
 
 
 class NullSink:

@@ -24,7 +24,7 @@ kvwarm_rejects_total{reason}            malformed input, by reason
 kvwarm_decisions_total{action,tier}     decisions emitted (tier: to_tier, or
                                         from_tier for evict)
 kvwarm_moves_total{kind}                planner moves (store, demand, ...)
-kvwarm_executor_outcomes_total{...}     decisions applied/skipped/failed
+kvwarm_executor_outcomes_total{...}     decisions by outcome status (applied, refused_full, ...)
 kvwarm_hint_acks_total{status}          acknowledgements read back from sinks
                                         (accepted, clipped, deferred, rejected,
                                         missing; malformed)
@@ -165,7 +165,7 @@ class _LiveCollector(Collector):
         if sink is not None:
             out = CounterMetricFamily(
                 "kvwarm_executor_outcomes",
-                "Decisions the executor applied, skipped or failed.",
+                "Decisions by executor outcome status (executor.protocol.OUTCOME_STATUSES).",
                 labels=["action", "status"],
             )
             for (action, status), n in sorted(_copy(sink.outcomes).items()):

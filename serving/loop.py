@@ -32,6 +32,7 @@ import numpy as np
 
 from features.events import AllBlocksCleared, BlockRemoved, BlocksAccessed, BlockStored, Event
 from predictor.base import Policy
+from serving import defaults
 from serving.placement import Placement
 from serving.planner import AdmitFn, Move, Planner
 from serving.sources import EventSource
@@ -59,14 +60,15 @@ class Sidecar:
         planner: Planner,
         placement: Placement,
         *,
-        prefetch_interval_ms: int = 1_000,
-        recent_requests: int = 64,
+        prefetch_interval_ms: int = defaults.PREFETCH_INTERVAL_MS,
+        recent_requests: int = defaults.RECENT_REQUESTS,
         prefetch: bool = True,
-        prefetch_levels: int = 2,
+        prefetch_levels: int = defaults.PREFETCH_LEVELS,
+        allow_future: bool = False,
     ) -> None:
-        if getattr(policy, "needs_future", False) and not getattr(policy, "replay_only_ok", False):
-            # The oracle reads the future: only a replay may run it, and it says so by
-            # setting replay_only_ok on the instance.
+        """``allow_future``: only a replay passes True; it lets a policy that declares
+        ``needs_future`` (the oracle) run."""
+        if policy.needs_future and not allow_future:
             raise ValueError(
                 f"policy {policy.name!r} needs future knowledge; it can only run in a replay"
             )
@@ -186,12 +188,10 @@ class Sidecar:
                     self.placement.remove(block)
 
     def swap_policy(self, policy: Policy) -> None:
-        """Hot-swap the scorer between two events, without dropping any. A policy that
-        can ``adopt_state`` takes over the online feature state of the one it replaces,
-        so it scores with the full history rather than from a cold start."""
+        """Hot-swap the scorer between two events, without dropping any. The newcomer
+        is warmed first (``ModelManager``: it adopts the outgoing policy's state or
+        replays recent requests)."""
         with self._lock:
-            if hasattr(policy, "adopt_state") and hasattr(self.policy, "state"):
-                policy.adopt_state(self.policy.state)
             self.policy = policy
 
     # -- driving from a source --------------------------------------------------------

@@ -154,7 +154,7 @@ class MlflowResolver(Resolver):
         return tracking.model_version_for_uri(uri, store_uri=self.tracking_uri)
 
     def download(self, uri: str, scratch: Path) -> Path:
-        from training import tracking
+        from training import tracking  # the same allowed exception as in version()
 
         return tracking.resolve_policy_dir(uri, dst=scratch, store_uri=self.tracking_uri)
 
@@ -191,7 +191,7 @@ def _classify(exc: BaseException) -> DegradedKind:
 def check_time_base(policy: Policy) -> None:
     """Refuse a model whose recorded time base is not the sidecar's (event-time ms,
     unscaled): its time features would mean something else here."""
-    base = getattr(policy, "time_base", None)
+    base = policy.time_base
     if base is None:
         return  # a baseline: no model, no time base
     if base.get("unit") != "ms" or base.get("clock") != "event":
@@ -296,7 +296,7 @@ class ModelManager:
                 return None, version
             if kind == "builtin":
                 policy = make_policy(self.spec)
-                if getattr(policy, "fitted", True) is False:
+                if not policy.fitted:
                     raise PolicyLoadError(
                         self.spec, "a learned policy needs a trained model: pass its directory "
                         "or an MLflow URI, not the bare policy name",
@@ -306,7 +306,7 @@ class ModelManager:
                 policy = load_policy(directory)
         finally:
             shutil.rmtree(scratch, ignore_errors=True)
-        if getattr(policy, "needs_future", False):
+        if policy.needs_future:
             raise PolicyError(f"policy {policy.name!r} needs future knowledge; serving refuses it")
         check_time_base(policy)
         probe_policy(policy, self.probe_timeout_s, where=self.spec)
@@ -396,16 +396,8 @@ class ModelManager:
 
     def _warm(self, new: Policy) -> None:
         old = self._policy
-        old_state = getattr(old, "state", None)
-        same_features = (
-            old_state is not None
-            and hasattr(new, "state")
-            and getattr(old, "feature_params", None) == getattr(new, "feature_params", None)
-            and type(old_state) is type(new.state)
-        )
-        if same_features:
-            new.state = old_state  # type: ignore[attr-defined]  # shared: no gap at all
-            return
+        if new.adopt_state(old.handover_state() if old is not None else None):
+            return  # shared: no gap at all
         # Replay the recent requests; a few that arrive during the replay are missed by
         # the newcomer's features (never by the loop: no event is dropped).
         new.observe_many(list(self.recent))

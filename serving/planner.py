@@ -26,11 +26,12 @@ use; it keeps the cost per request independent of the cache size.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import NamedTuple
+from typing import Literal, NamedTuple, get_args
 
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
 
+from serving import defaults
 from serving.placement import NOWHERE, Placement
 
 ScoreFn = Callable[[np.ndarray, int], np.ndarray]
@@ -45,19 +46,19 @@ class PlannerParams(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     eviction_sample: int = Field(
-        64, ge=1, le=4096, description="Residents sampled per eviction round."
+        defaults.EVICTION_SAMPLE, ge=1, le=4096, description="Residents sampled per eviction round."
     )
     admission: bool = Field(
         True,
         description="Veto keeping a just-computed block in a tier when it scores below every sampled resident.",
     )
     prefetch_budget_blocks: int = Field(
-        64,
+        defaults.PREFETCH_BUDGET_BLOCKS,
         ge=0,
         description="Most speculative promotions per prefetch round (the bandwidth budget).",
     )
     min_residency_ms: int = Field(
-        0,
+        defaults.MIN_RESIDENCY_MS,
         ge=0,
         description="Hysteresis: a block moved less than this long ago is not displaced by a speculative promotion.",
     )
@@ -65,6 +66,15 @@ class PlannerParams(BaseModel):
         0.0, ge=0.0, description="A candidate must outscore the resident it displaces by this much."
     )
     seed: int = Field(0, description="Seed of the eviction sampler (replays repeat exactly).")
+
+
+MoveKind = Literal["demand", "store", "prefetch", "demote", "evict", "bypass"]
+"""Why a block moves: ``demand`` (a request reads it: up to the fastest tier),
+``store`` (computed by the engine into a tier), ``prefetch`` (speculative promotion),
+``demote`` (one tier down to make room), ``evict`` (out of the last tier), ``bypass``
+(a just-computed block the admission veto sends down at once)."""
+
+MOVE_KINDS: tuple[str, ...] = get_args(MoveKind)
 
 
 class Move(NamedTuple):
@@ -77,7 +87,7 @@ class Move(NamedTuple):
     from_tier: int
     to_tier: int
     score: float
-    kind: str  # "demand" | "store" | "prefetch" | "demote" | "evict" | "bypass"
+    kind: MoveKind
 
 
 class Planner:
@@ -234,6 +244,7 @@ class Planner:
             out_scores = scores[victims].tolist()
             placement.remove_many(out, tier)
             below = tier + 1
+            kind: MoveKind
             if below < placement.num_tiers:
                 placement.add_many(out, below, now_ms)
                 kind, to_tier = "demote", below

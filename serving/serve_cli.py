@@ -37,15 +37,17 @@ from collections import deque
 from collections.abc import Callable
 from pathlib import Path
 from types import FrameType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import click
 import numpy as np
 
+from executor.protocol import Executor
 from features.block_hash import load_tokenizer
 from features.decoders import TIME_UNITS, TraceFormatError
 from features.events import Event
 from serving.decisions import (
+    APPLY_HEADROOM_BLOCKS,
     CacheLayerSink,
     DecisionMaker,
     DecisionSink,
@@ -67,6 +69,9 @@ from serving.request_intake import (
 )
 from serving.settings import Endpoint, SidecarSettings, load_settings
 from serving.sources import EventSource, FileSource, ReportsReadiness
+
+if TYPE_CHECKING:
+    from executor.core import Executor as LocalExecutor
 
 log = logging.getLogger(__name__)
 
@@ -264,10 +269,10 @@ def open_source(settings: SidecarSettings) -> EventSource:
     raise click.UsageError(f"unsupported source {settings.source!r}")
 
 
-def load_local_executor(path: str | Path, clock_ms: Callable[[], float]) -> Any:
+def load_local_executor(path: str | Path, clock_ms: Callable[[], float]) -> LocalExecutor:
     """The real executor from a TOML file::
 
-        [executor]            # ExecutorParams fields (state_dir, on_full, ...)
+        [executor]            # ExecutorParams fields (state_dir, fsync_journal, ...)
         state_dir = "state"
         [[tiers]]             # fastest first; kind + name + the tier's Params fields
         kind = "memory"
@@ -276,7 +281,8 @@ def load_local_executor(path: str | Path, clock_ms: Callable[[], float]) -> Any:
 
     Relative paths (``state_dir``, a tier's ``root``) are relative to the file.
     """
-    from executor import Executor, ExecutorParams
+    from executor.core import Executor as LocalExecutor
+    from executor.core import ExecutorParams
     from executor.tiers import make_tier
 
     path = Path(path)
@@ -305,7 +311,14 @@ def load_local_executor(path: str | Path, clock_ms: Callable[[], float]) -> Any:
     params = dict(config.get("executor", {}))
     if "state_dir" in params:
         params["state_dir"] = rel(params["state_dir"])
-    return Executor(tiers, ExecutorParams(**params), clock_ms=clock_ms)
+    known = set(ExecutorParams.__dataclass_fields__)
+    unknown = sorted(set(params) - known)
+    if unknown:
+        raise click.UsageError(
+            f"executor config {path}: unknown [executor] key {unknown[0]!r}; "
+            f"known keys: {', '.join(sorted(known))}"
+        )
+    return LocalExecutor(tiers, ExecutorParams(**params), clock_ms=clock_ms)
 
 
 MAX_WALL_CLOCK_SKEW_MS = 24 * 3_600_000
@@ -345,9 +358,11 @@ class Service:
         except ModelStartError as exc:
             raise ServeError(str(exc)) from None
 
-        self.executor: Any = None
+        self.executor: Executor | None = None
         self.cache_layer: Any = None
         """An executor over a real cache layer (``--executor lmcache:...``)."""
+        self._store_bytes = settings.block_size_bytes
+        self._wall_checked = False
         tier_names, capacities = self._tiers()
         self.placement = Placement(list(tier_names), list(capacities))
         self.sidecar = MeteredSidecar(
@@ -364,9 +379,7 @@ class Service:
         sinks: list[DecisionSink] = []
         self.executor_sink: ExecutorSink | None = None
         if self.executor is not None:
-            self.executor_sink = ExecutorSink(
-                self.executor, block_size_bytes=settings.block_size_bytes
-            )
+            self.executor_sink = ExecutorSink(self.executor, block_size_bytes=self._store_bytes)
             sinks.append(self.executor_sink)
         if self.cache_layer is not None:
             sinks.append(CacheLayerSink(self.cache_layer))
@@ -389,6 +402,7 @@ class Service:
             deadline_ms=settings.decision_deadline_ms,
             # An executor here stands in for the engine: it stores computed blocks too.
             on_store=self.executor_sink.place_store if self.executor_sink is not None else None,
+            placement=self.placement,
         )
         self.sidecar.hooks.append(self._track_now)
         self.sidecar.hooks.append(self._index_tokens)
@@ -445,18 +459,27 @@ class Service:
                     f"({getattr(exc, 'strerror', None) or exc}); pass sim:default for the "
                     "bundled profile or sim:PATH.toml of an existing profile"
                 ) from None
-            self.executor = SimulatedExecutor(
+            caps = s.tier_capacities_blocks
+            # The planner alone picks victims (on_full="refuse"); the executor's tiers
+            # get the headroom that lets every round's moves be ordered to fit.
+            sim = SimulatedExecutor(
                 profile,
                 tiers=s.tier_names,
-                capacity_blocks=dict(zip(s.tier_names, s.tier_capacities_blocks, strict=True)),
+                capacity_blocks={
+                    name: cap + APPLY_HEADROOM_BLOCKS
+                    for name, cap in zip(s.tier_names, caps, strict=True)
+                },
+                on_full="refuse",
             )
-            caps = s.tier_capacities_blocks
+            self.executor, self._store_bytes = sim, sim.block_bytes
             return s.tier_names, caps
         if ep.scheme == "local":
-            self.executor = load_local_executor(ep.target, self._now_for_executor)
-            names = tuple(self.executor.tier_names)
+            local = load_local_executor(ep.target, self._now_for_executor)
+            self.executor, self._store_bytes = local, s.block_size_bytes
+            names = tuple(local.tier_names)
             caps = tuple(
-                max(1, self.executor.tier(n).capacity_bytes // s.block_size_bytes) for n in names
+                max(1, local.tier(n).capacity_bytes // s.block_size_bytes - APPLY_HEADROOM_BLOCKS)
+                for n in names
             )
             return names, caps
         if ep.scheme == "lmcache":

@@ -48,6 +48,7 @@ from pydantic_settings import (
 )
 
 from executor.adapters.lmcache import params_from_url
+from serving import defaults
 from serving.planner import PlannerParams
 
 DEFAULT_EVENTS_TOPIC = "kv-events"
@@ -173,18 +174,6 @@ def parse_executor(spec: str) -> Endpoint:
     raise SettingsError(f"executor {spec!r} is not understood; use {EXECUTOR_FORMS}")
 
 
-class ServingPlannerParams(PlannerParams):
-    """``PlannerParams`` with the replay's hysteresis default (``training.tiered``): what
-    is evaluated is what is served. Any field given (file, env) keeps the others' defaults."""
-
-    min_residency_ms: int = Field(
-        2_000,
-        ge=0,
-        description="Hysteresis: a block moved less than this long ago is not displaced by "
-        "a speculative promotion.",
-    )
-
-
 class SidecarSettings(BaseSettings):
     """Everything ``kvwarm serve`` can be told. Frozen: build a new one to change it."""
 
@@ -285,16 +274,19 @@ class SidecarSettings(BaseSettings):
         description="Payload bytes of one KV block; converts executor capacities to blocks "
         "and sizes the payloads a local executor writes.",
     )
-    planner: ServingPlannerParams = Field(
-        default_factory=lambda: ServingPlannerParams.model_validate({}),
+    planner: PlannerParams = Field(
+        default_factory=PlannerParams,
         description="Eviction sample, admission veto, prefetch budget, hysteresis.",
     )
     prefetch: bool = Field(True, description="Run speculative prefetch rounds.")
     prefetch_interval_ms: int = Field(
-        1_000, ge=1, le=3_600_000, description="Time between speculative prefetch rounds."
+        defaults.PREFETCH_INTERVAL_MS,
+        ge=1,
+        le=3_600_000,
+        description="Time between speculative prefetch rounds.",
     )
     recent_requests: int = Field(
-        128,
+        defaults.RECENT_REQUESTS,
         ge=1,
         le=100_000,
         description="Prefetch candidates are the blocks of this many most recent requests; "

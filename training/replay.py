@@ -98,7 +98,7 @@ def replay_single_tier(
     the tier as its request arrives; misses are computed and stored; the planner makes
     room by the policy's scores (and may veto keeping a block: admission)."""
     placement = Placement(["hbm"], [capacity_blocks])
-    sidecar = Sidecar(policy, Planner(planner_params), placement, prefetch=False)
+    sidecar = Sidecar(policy, Planner(planner_params), placement, prefetch=False, allow_future=True)
     hits = accesses = 0
     t0 = time.perf_counter()
     tier_of = placement.tier_of

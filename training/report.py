@@ -31,6 +31,7 @@ from features.annotate import access_arrays
 from features.events import BlocksAccessed
 from features.trace_stats import fmt_number
 from predictor.base import Policy
+from predictor.learned import LearnedPolicy
 from predictor.oracle import FutureAccesses
 from predictor.registry import make_policy
 from training.replay import (
@@ -111,19 +112,16 @@ def _fresh(
     if name not in warm:
         if name in trained:
             policy = trained[name]
-            policy = policy.fresh_copy() if hasattr(policy, "fresh_copy") else copy.deepcopy(policy)
+            policy = (
+                policy.fresh_copy() if isinstance(policy, LearnedPolicy) else copy.deepcopy(policy)
+            )
         elif name == "oracle":
             policy = make_policy("oracle", future=future)
         else:
             policy = make_policy(name)
-        if name == "oracle":
-            policy.replay_only_ok = True  # type: ignore[attr-defined]
         policy.observe_many(train)
         warm[name] = policy
-    clone = copy.deepcopy(warm[name])
-    if name == "oracle":
-        clone.replay_only_ok = True  # type: ignore[attr-defined]
-    return clone
+    return copy.deepcopy(warm[name])
 
 
 def run_comparison(
@@ -217,7 +215,7 @@ def run_comparison(
             setup = TieredSetup(
                 profile=profile,
                 hbm_capacity_blocks=capacity,
-                planner=planner.model_copy(update={"min_residency_ms": 2_000}),
+                planner=planner,
             )
             results: list[TieredResult] = [
                 replay_tiered(

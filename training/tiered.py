@@ -35,6 +35,7 @@ import numpy as np
 from executor.sim.profile import Profile
 from features.events import BlocksAccessed
 from predictor.base import Policy
+from serving import defaults
 from serving.loop import Sidecar
 from serving.placement import NOWHERE, Placement
 from serving.planner import Move, Planner, PlannerParams
@@ -50,9 +51,9 @@ class TieredSetup:
     hbm_capacity_blocks: int
     block_size_tokens: int = 512
     num_engines: int = 1
-    prefetch_interval_ms: int = 1_000
-    recent_requests: int = 128
-    planner: PlannerParams = field(default_factory=lambda: PlannerParams(min_residency_ms=2_000))
+    prefetch_interval_ms: int = defaults.PREFETCH_INTERVAL_MS
+    recent_requests: int = defaults.RECENT_REQUESTS
+    planner: PlannerParams = field(default_factory=PlannerParams)
 
     def capacities_blocks(self) -> list[int]:
         block_bytes = self.profile.model.block_bytes(self.block_size_tokens)
@@ -214,6 +215,7 @@ def replay_tiered(
         prefetch_interval_ms=setup.prefetch_interval_ms,
         recent_requests=setup.recent_requests,
         prefetch=speculative,
+        allow_future=True,
     )
     timing = _Timing(setup)
     model = setup.profile.model

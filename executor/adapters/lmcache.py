@@ -55,7 +55,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, cast
 
-from executor.core import Outcome
+from executor.protocol import Outcome
 from executor.decision import Decision
 
 LMCACHE_VERSION = "0.5.6"

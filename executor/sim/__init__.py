@@ -9,7 +9,7 @@ number carries its unit and its source. See ``executor.sim.executor`` for the mo
 from __future__ import annotations
 
 from executor.sim.clock import SimClock
-from executor.sim.executor import RequestLoad, SimOutcome, SimStats, SimulatedExecutor
+from executor.sim.executor import RequestLoad, SimStats, SimulatedExecutor
 from executor.sim.profile import ModelSpec, Profile, ProfileError, TierTiming, load_profile
 from executor.sim.timing import Channel, TierChannels
 
@@ -20,7 +20,6 @@ __all__ = [
     "ProfileError",
     "RequestLoad",
     "SimClock",
-    "SimOutcome",
     "SimStats",
     "SimulatedExecutor",
     "TierChannels",

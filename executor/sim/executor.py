@@ -18,8 +18,11 @@ Replay-facing calls (``now_ms`` is simulated time in ms, float):
 - ``load_for_request(blocks, now_ms, num_tokens=None) -> RequestLoad``: bring a
   request's prefix-ordered blocks into HBM (demand transfers from wherever they
   are), recompute the rest, and say when the request's KV is complete.
-- ``apply(decision, now_ms=None) -> SimOutcome``: the same ``Decision`` the real
+- ``apply_one(decision, now_ms=None) -> Outcome``: the same ``Decision`` the real
   executor takes (idempotent by decision id, tolerant of stale views).
+- The ``executor.protocol.Executor`` seam: ``apply(decisions)`` (each at its
+  ``ts_ms``), ``locate``, ``capacities``, ``occupancy``, ``health``, ``store``, ``close``.
+  Behind that seam, build it with ``on_full="refuse"``: the planner alone picks victims.
 - ``stats() -> SimStats``: bytes moved per tier and kind, hits, misses, prefill.
 
 Modelling choices (each a constructor argument where it is a choice):
@@ -50,6 +53,7 @@ from typing import Any, Literal
 
 from executor.decision import Decision
 from executor.names import TIER_RANK, check_tier_name
+from executor.protocol import Outcome, OutcomeStatus, TierSpace
 from executor.sim.clock import SimClock
 from executor.sim.profile import Profile, load_profile
 
@@ -79,14 +83,6 @@ class RequestLoad:
     num_missing_blocks: int
     """Blocks recomputed: not cached, or after the first miss."""
     num_prefill_tokens: int
-
-
-@dataclass(frozen=True, slots=True)
-class SimOutcome:
-    decision_id: str
-    status: Literal["applied", "skipped", "failed"]
-    reason: str = ""
-    completion_ms: float | None = None
 
 
 @dataclass(frozen=True)
@@ -168,6 +164,7 @@ class SimulatedExecutor:
         self._pinned: set[Hashable] = set()
         self._busy: set[Hashable] = set()  # blocks being moved or placed right now
         self._applied_ids: set[str] = set()
+        self._num_outcomes: dict[str, int] = {}
         self._compute_free_ms = 0.0
         self.reset_stats()
 
@@ -382,35 +379,37 @@ class SimulatedExecutor:
             num_prefill_tokens=prefill_tokens,
         )
 
-    def apply(self, decision: Decision, now_ms: float | None = None) -> SimOutcome:
+    def apply_one(self, decision: Decision, now_ms: float | None = None) -> Outcome:
         """Carry out a ``Decision`` at ``now_ms`` (default: its ``ts_ms``). Promotes are
         booked as prefetch traffic, demotes as demote traffic. Never raises for stale
-        decisions: they come back ``skipped`` with the reason."""
+        decisions: they come back with a status and the reason."""
         now = float(decision.ts_ms) if now_ms is None else now_ms
         did = decision.decision_id
-
-        def out(status: Any, reason: str = "", done: float | None = None) -> SimOutcome:
-            if status == "applied":
-                self._applied_ids.add(did)
-            return SimOutcome(did, status, reason, done)
-
-        if did in self._applied_ids:
-            return out("skipped", "duplicate decision id")
-        if decision.deadline_ms is not None and now > decision.deadline_ms:
-            return out("skipped", "deadline passed")
         block = decision.block_hash
         t = self._tier_of.get(block)
+        where = None if t is None else self.tier_names[t]
+
+        def out(status: OutcomeStatus, reason: str = "", done: float | None = None) -> Outcome:
+            if status == "applied":
+                self._applied_ids.add(did)
+            self._num_outcomes[status] = self._num_outcomes.get(status, 0) + 1
+            return Outcome(did, status, reason, block, where, decision.to_tier, 0, 0.0, done)
+
+        if did in self._applied_ids:
+            return out("duplicate", "duplicate decision id")
+        if decision.deadline_ms is not None and now > decision.deadline_ms:
+            return out("expired", "deadline passed")
         if decision.action in ("pin", "unpin"):
             if decision.action == "pin":
-                return out("applied") if self.pin(block) else out("skipped", "not cached")
-            return out("applied") if self.unpin(block) else out("skipped", "not pinned")
+                return out("applied") if self.pin(block) else out("missing", "not cached")
+            return out("applied") if self.unpin(block) else out("stale", "not pinned")
         if t is None:
-            return out("skipped", "not cached")
+            return out("missing", "not cached")
         if decision.from_tier is not None and decision.from_tier != self.tier_names[t]:
-            return out("skipped", f"block is in {self.tier_names[t]}, not {decision.from_tier}")
+            return out("stale", f"block is in {self.tier_names[t]}, not {decision.from_tier}")
         if decision.action == "evict":
             if block in self._pinned:
-                return out("skipped", "pinned")
+                return out("refused_pinned", "pinned")
             self._remove(block, t)
             return out("applied")
         assert decision.to_tier is not None
@@ -418,20 +417,61 @@ class SimulatedExecutor:
             return out("failed", f"tier {decision.to_tier} is not simulated here")
         dst = self._index[decision.to_tier]
         if dst == t:
-            return out("skipped", "already there")
+            return out("stale", f"already in {decision.to_tier}")
         if (dst < t) != (decision.action == "promote"):
             return out(
-                "skipped", f"block is in {self.tier_names[t]}; {decision.action} does not apply"
+                "stale", f"block is in {self.tier_names[t]}; {decision.action} does not apply"
             )
         if block in self._pinned:
-            return out("skipped", "pinned")
+            return out("refused_pinned", "pinned")
         self.clock.advance_to(now)
+        over_budget = self._num_over_budget
         done = self._move(
             block, t, dst, now, _PREFETCH if decision.action == "promote" else _DEMOTE
         )
         if done is None:
-            return out("skipped", f"no room in {decision.to_tier} or prefetch budget spent")
+            if self._num_over_budget > over_budget:
+                return out("refused_budget", f"prefetch budget into {decision.to_tier} spent")
+            return out("refused_full", f"no room in {decision.to_tier}")
         return out("applied", "", done)
+
+    # -- the executor.protocol.Executor seam ----------------------------------------------
+    def apply(self, decisions: Sequence[Decision]) -> list[Outcome]:
+        """``apply_one`` each decision at its ``ts_ms``, in order."""
+        return [self.apply_one(d) for d in decisions]
+
+    def locate(self, block: Hashable) -> str | None:
+        """The tier holding ``block``, or None (``where``)."""
+        return self.where(block)
+
+    def capacities(self) -> dict[str, TierSpace]:
+        return {
+            name: TierSpace(self._cap[t] // self.block_bytes, self._cap[t])
+            for t, name in enumerate(self.tier_names)
+        }
+
+    def occupancy(self) -> dict[str, TierSpace]:
+        return {
+            name: TierSpace(len(self._lru[t]), self._used[t])
+            for t, name in enumerate(self.tier_names)
+        }
+
+    def health(self) -> dict[str, Any]:
+        return {
+            "status": "ok",
+            "tiers": list(self.tier_names),
+            "num_decisions": dict(self._num_outcomes),
+            "simulated_now_ms": self.clock.now_ms,
+        }
+
+    def store(self, block: Hashable, tier: str, size_bytes: int) -> Outcome:
+        """``place`` a block the engine just computed, at the clock's now."""
+        if self.place(block, tier, size_bytes=size_bytes):
+            return Outcome("store", "applied", "", None, None, tier, size_bytes)
+        return Outcome("store", "refused_full", f"no room in {tier}", None, None, tier)
+
+    def close(self) -> None:
+        """Nothing to release."""
 
     # -- internals ----------------------------------------------------------------------
     def _tier(self, name: str) -> int:

@@ -68,8 +68,9 @@ def test_moves_report_each_outcome(tmp_path: Path, payload: Payload) -> None:
     assert ex.apply_one(decide(1, "promote", "remote")).reason == (
         "block is in nvme; promote to remote does not apply"
     )
-    assert ex.apply_one(decide(1, "demote", "dram")).status == "skipped"  # dram is faster than nvme
-    assert ex.apply_one(decide(2, "promote", "dram")).reason == "not cached"
+    assert ex.apply_one(decide(1, "demote", "dram")).status == "stale"  # dram is faster than nvme
+    missing = ex.apply_one(decide(2, "promote", "dram"))
+    assert (missing.status, missing.reason) == ("missing", "not cached")
     failed = ex.apply_one(decide(1, "promote", "hbm"))
     assert (failed.status, failed.reason) == ("failed", "tier hbm is not configured")
     assert ex.apply_one(decide(1, "promote", "dram")).status == "applied"
@@ -87,39 +88,37 @@ def test_decision_ids_apply_once_even_across_restart(tmp_path: Path, payload: Pa
     ex.write(5, payload(5, KB), "remote")
     promote = decide(5, "promote", "nvme")
     assert ex.apply_one(promote).status == "applied"
-    assert ex.apply_one(promote).reason == "duplicate decision id"
+    assert ex.apply_one(promote).status == "duplicate"
     ex.close()
     again = make_executor(tmp_path)
     assert again.locate(5) == "nvme"
-    assert again.apply_one(promote).reason == "duplicate decision id"
+    assert again.apply_one(promote).status == "duplicate"
     again.close()
 
 
-def test_promote_into_a_full_tier_demotes_lru_unpinned_blocks(
+def test_promote_into_a_full_tier_is_refused_and_changes_nothing(
     tmp_path: Path, payload: Payload
 ) -> None:
+    # The executor never picks a victim: the planner does, and sends the demote first.
     ex = make_executor(tmp_path, dram_kb=32)
     for block in range(4):
         ex.write(block, payload(block, 8 * KB), "dram")
-    ex.read(0)  # 0 becomes most recently used; 1 is now the LRU block
     assert ex.apply_one(decide(2, "pin")).status == "applied"
     ex.write(9, payload(9, 16 * KB), "nvme")
+    before = {b: ex.locate(b) for b in (0, 1, 2, 3, 9)}
     out = ex.apply_one(decide(9, "promote", "dram"))
-    assert out.status == "applied"
-    assert ex.locate(1) == "nvme" and ex.locate(3) == "nvme"  # 2 is pinned, 0 is fresh
-    assert ex.locate(2) == "dram" and ex.locate(0) == "dram" and ex.locate(9) == "dram"
+    assert (out.status, out.reason) == ("refused_full", "no room in dram")
+    assert {b: ex.locate(b) for b in (0, 1, 2, 3, 9)} == before
+    assert ex.write(10, payload(10, 8 * KB), "dram").status == "refused_full"
+    # The same promote after the planner's demotes, in one batch: applied in order.
+    outs = ex.apply(
+        [decide(1, "demote", "nvme"), decide(3, "demote", "nvme"), decide(9, "promote", "dram")]
+    )
+    assert [o.status for o in outs] == ["applied", "applied", "applied"]
+    assert [ex.locate(b) for b in (0, 1, 2, 3, 9)] == ["dram", "nvme", "dram", "nvme", "dram"]
     assert ex.tier("dram").used_bytes <= ex.tier("dram").capacity_bytes
-    assert ex.apply_one(decide(2, "demote", "nvme")).reason == "pinned"
-    ex.close()
-
-
-def test_refuse_mode_refuses_instead_of_demoting(tmp_path: Path, payload: Payload) -> None:
-    ex = make_executor(tmp_path, dram_kb=16, on_full="refuse")
-    ex.write(1, payload(1, 12 * KB), "dram")
-    ex.write(2, payload(2, 8 * KB), "nvme")
-    out = ex.apply_one(decide(2, "promote", "dram"))
-    assert (out.status, out.reason) == ("skipped", "no room in dram (on_full=refuse)")
-    assert ex.locate(1) == "dram" and ex.locate(2) == "nvme"
+    pinned = ex.apply_one(decide(2, "demote", "nvme"))
+    assert (pinned.status, pinned.reason) == ("refused_pinned", "pinned")
     ex.close()
 
 
@@ -132,9 +131,13 @@ def test_prefetch_budget_and_deadline_skip(tmp_path: Path, payload: Payload) -> 
     )
     ex.write(1, payload(1, 10 * KB), "nvme")
     out = ex.apply_one(decide(1, "promote", "dram"))
-    assert (out.status, out.reason) == ("skipped", "prefetch bandwidth budget of dram exhausted")
+    assert (out.status, out.reason) == (
+        "refused_budget",
+        "prefetch bandwidth budget of dram exhausted",
+    )
     late = ex.apply_one(decide(1, "promote", "dram", deadline_ms=5))
-    assert late.reason == "deadline passed" and ex.locate(1) == "nvme"
+    assert (late.status, late.reason) == ("expired", "deadline passed")
+    assert ex.locate(1) == "nvme"
     ex.close()
 
 
@@ -204,7 +207,7 @@ def test_recovery_finishes_or_rolls_back_half_done_moves(tmp_path: Path, payload
         holders = [t for t in again.tier_names if again.tier(t).contains(block)]
         assert len(holders) == 1
     # The redelivered decision of the finished move is answered from state.
-    assert again.apply_one(Decision("m1", 1, 1, "promote", "remote", "nvme")).status == "skipped"
+    assert again.apply_one(Decision("m1", 1, 1, "promote", "remote", "nvme")).status == "stale"
     again.close()
 
 

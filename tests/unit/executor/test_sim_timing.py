@@ -200,14 +200,14 @@ def test_decisions_apply_idempotently_and_stale_ones_are_skipped() -> None:
     sim = small_sim()
     sim.place(5, "nvme")
     promote = Decision("p1", 10, 5, "promote", "nvme", "hbm")
-    first = sim.apply(promote)
+    first = sim.apply_one(promote)
     assert first.status == "applied" and first.completion_ms is not None
-    assert sim.apply(promote).reason == "duplicate decision id"
-    stale = sim.apply(Decision("p2", 11, 5, "promote", "nvme", "dram"))
-    assert stale.status == "skipped" and "block is in hbm" in stale.reason
-    late = sim.apply(Decision("p3", 50, 5, "demote", None, "dram", deadline_ms=40))
-    assert late.reason == "deadline passed"
-    assert sim.apply(Decision("e1", 60, 5, "evict")).status == "applied"
+    assert sim.apply_one(promote).status == "duplicate"
+    stale = sim.apply_one(Decision("p2", 11, 5, "promote", "nvme", "dram"))
+    assert stale.status == "stale" and "block is in hbm" in stale.reason
+    late = sim.apply_one(Decision("p3", 50, 5, "demote", None, "dram", deadline_ms=40))
+    assert late.status == "expired" and late.reason == "deadline passed"
+    assert sim.apply_one(Decision("e1", 60, 5, "evict")).status == "applied"
     assert sim.where(5) is None
     with pytest.raises(SimulationError, match="not cached"):
         sim.schedule_transfer(5, None, "hbm", now_ms=70.0)

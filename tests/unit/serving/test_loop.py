@@ -74,3 +74,5 @@ def test_serving_refuses_the_oracle():
     oracle = make_policy("oracle", future=FutureAccesses.from_events([]))
     with pytest.raises(ValueError, match="needs future knowledge"):
         Sidecar(oracle, Planner(), Placement(["hbm"], [10]))
+    # A replay declares that it may run it.
+    assert Sidecar(oracle, Planner(), Placement(["hbm"], [10]), allow_future=True).policy is oracle

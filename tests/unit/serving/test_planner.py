@@ -87,7 +87,9 @@ def test_request_promotes_its_blocks_from_lower_tiers():
 
 @pytest.mark.parametrize(("budget", "promoted"), [(1, [3]), (2, [3, 4]), (8, [3, 4])])
 def test_prefetch_promotes_candidates_that_outscore_residents_within_budget(budget, promoted):
-    planner = Planner(PlannerParams(eviction_sample=64, prefetch_budget_blocks=budget))
+    planner = Planner(
+        PlannerParams(eviction_sample=64, prefetch_budget_blocks=budget, min_residency_ms=0)
+    )
     p = Placement(["hbm", "dram"], [2, 10])
     for b in (1, 2):
         p.add(b, 0)

@@ -30,8 +30,6 @@ def planted(tmp_path_factory):
 
 def _warm(name, train, future=None):
     policy = make_policy(name, **({"future": future} if future is not None else {}))
-    if name == "oracle":
-        policy.replay_only_ok = True
     policy.observe_many(train)
     return policy
 

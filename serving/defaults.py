@@ -1,0 +1,28 @@
+"""Defaults that replay and serving must agree on: what is evaluated is what is served.
+
+``serving.planner.PlannerParams`` and ``serving.loop.Sidecar`` take their defaults from
+here; ``serving.settings.SidecarSettings`` (serving) and ``training.tiered.TieredSetup``
+(replay) build on those, and change a value only by naming it. Change a default here and
+both change together.
+"""
+
+from __future__ import annotations
+
+from typing import Final
+
+# -- the planner (serving.planner.PlannerParams) ----------------------------------------------
+EVICTION_SAMPLE: Final = 64
+"""Residents sampled per eviction round."""
+PREFETCH_BUDGET_BLOCKS: Final = 64
+"""Most speculative promotions per prefetch round."""
+MIN_RESIDENCY_MS: Final = 2_000
+"""Hysteresis: a block moved less than this long ago is not displaced by a speculative
+promotion (it only matters where prefetch runs: tiered replay and serving)."""
+
+# -- the loop (serving.loop.Sidecar) ------------------------------------------------------------
+PREFETCH_INTERVAL_MS: Final = 1_000
+"""Event time between speculative prefetch rounds."""
+RECENT_REQUESTS: Final = 128
+"""Prefetch candidates are the blocks of this many most recent requests."""
+PREFETCH_LEVELS: Final = 2
+"""Prefetch rounds target the fastest this-many tiers (each from the tiers below it)."""
