@@ -55,8 +55,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, cast
 
-from executor.protocol import Outcome
 from executor.decision import Decision
+from executor.protocol import Outcome
 
 LMCACHE_VERSION = "0.5.6"
 """The LMCache release whose coordinator API the adapter speaks."""
