@@ -307,6 +307,7 @@ class Service:
             model_manager=self.models,
         )
         self.http: HealthServer | None = None
+        self._wall_checked = False
 
     # -- assembly ------------------------------------------------------------------------
     def _tiers(self) -> tuple[tuple[str, ...], tuple[int, ...]]:
