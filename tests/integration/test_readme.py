@@ -16,6 +16,7 @@ pytestmark = [pytest.mark.integration, pytest.mark.slow]
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
+@pytest.mark.timeout(3_000)  # train + two learned serves: ~20 min on a busy 2-core machine
 def test_every_quick_readme_block_runs_as_written(shared_trace):
     done = subprocess.run(
         [sys.executable, str(REPO_ROOT / "scripts" / "readme_check.py"), "--quick"],
