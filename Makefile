@@ -7,7 +7,7 @@ KVWARM := $(VENV)/bin/kvwarm
 STAMP := $(VENV)/.installed
 PYTEST_ARGS ?=
 
-.PHONY: demo test chaos lint format bench install clean system-deps kafka-jars
+.PHONY: demo test chaos lint format bench install clean system-deps kafka-jars readme-check
 
 # Installing twice is fast: the stamp is newer than pyproject.toml unless it changed.
 $(STAMP): pyproject.toml
@@ -43,6 +43,10 @@ lint: install
 format: install
 	$(VENV)/bin/ruff format features predictor training serving executor benchmarks devtools tests
 	$(VENV)/bin/ruff check --fix features predictor training serving executor benchmarks devtools tests
+
+# Every bash block of README.md run as written, replay and demo included (make test runs the quick ones).
+readme-check: install kafka-jars
+	$(PY) scripts/readme_check.py
 
 bench: install
 	$(KVWARM) bench all

@@ -84,12 +84,13 @@ def up(
     status = broker.status()
     note = "already running" if start_s == 0.0 else f"ready in {start_s:.1f} s"
     click.echo(f"Kafka {KAFKA_VERSION} {note}: pid {status.pid}, bootstrap {status.bootstrap}")
+    bootstrap = status.bootstrap or f"127.0.0.1:{broker.config().port}"
     path = bootstrap_file()
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(f"{status.bootstrap}\n", encoding="utf-8")
-    if status.bootstrap != DEFAULT_BOOTSTRAP:
+    path.write_text(bootstrap + "\n", encoding="utf-8")
+    if bootstrap != DEFAULT_BOOTSTRAP:
         click.echo(
-            f"port {default_port} was taken: the broker listens on {status.bootstrap}; "
+            f"port {default_port} was taken: the broker listens on {bootstrap}; "
             f"serve, produce and bridge find it through {path} (or {BOOTSTRAP_ENV})"
         )
 

@@ -187,9 +187,9 @@ class _LiveCollector(Collector):
             info = GaugeMetricFamily(
                 "kvwarm_model_info",
                 "The model scoring now (value 1).",
-                labels=["spec", "policy", "version", "status"],
+                labels=["spec", "name", "alias", "version", "policy", "status"],
             )
-            info.add_metric([s.spec, s.policy, s.version, s.status], 1)
+            info.add_metric([s.spec, s.name, s.alias, s.version, s.policy, s.status], 1)
             yield info
             yield GaugeMetricFamily(
                 "kvwarm_model_degraded",

@@ -162,15 +162,15 @@ def _client_config(
 def probe_bootstrap(bootstrap: str, within_s: float) -> None:
     """Raise ``KafkaUnavailableError`` unless some ``HOST:PORT`` of ``bootstrap``
     accepts a TCP connection within ``within_s`` (tried every 0.2 s)."""
-    addresses = []
+    addresses: list[tuple[str, int]] = []
     for item in bootstrap.split(","):
-        host, _, port = item.strip().rpartition(":")
-        if not host or not port.isdigit():
+        host, _, port_text = item.strip().rpartition(":")
+        if not host or not port_text.isdigit():
             raise KafkaUnavailableError(
                 f"Kafka address {item.strip()!r} is not HOST:PORT; pass --bootstrap HOST:PORT "
                 "or set KVWARM_KAFKA_BOOTSTRAP"
             )
-        addresses.append((host.strip("[]"), int(port)))
+        addresses.append((host.strip("[]"), int(port_text)))
     deadline = time.monotonic() + within_s
     last: OSError | None = None
     while True:

@@ -442,6 +442,7 @@ class Service:
             acks=self.acks,
         )
         self.http: HealthServer | None = None
+        self._wall_checked = False
 
     # -- assembly ------------------------------------------------------------------------
     def _tiers(self) -> tuple[tuple[str, ...], tuple[int, ...]]:

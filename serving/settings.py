@@ -338,10 +338,13 @@ class SidecarSettings(BaseSettings):
         description="How often an MLflow alias is checked for a new version (0: never).",
     )
     mlflow_tracking_uri: str | None = Field(
-        None, description="MLflow tracking/registry URI (default: MLFLOW_TRACKING_URI or ./mlruns)."
+        None,
+        description="MLflow tracking/registry URI (default: MLFLOW_TRACKING_URI, else sqlite:///mlflow.db in the working directory).",
     )
     mlflow_tracking_token: SecretStr | None = Field(
-        None, description="Bearer token for a remote MLflow server."
+        None,
+        description="Bearer token for a remote MLflow server; serve hands it to the MLflow "
+        "client as MLFLOW_TRACKING_TOKEN.",
     )
 
     # -- HTTP ------------------------------------------------------------------------------

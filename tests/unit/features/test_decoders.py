@@ -256,3 +256,77 @@ def test_decode_message_reads_json_access_events():
     with pytest.raises(EventValidationError) as info:
         decode_message(b'{"ts_ms": 1,')
     assert info.value.reason == "bad_json"
+
+
+EPOCH_S = 1_700_000_000
+
+
+@pytest.mark.parametrize(
+    ("unit", "scale", "as_string"),
+    [("s", 1, False), ("s", 1, True), ("ms", 1_000, False), ("us", 10**6, True),
+     ("ns", 10**9, False)],
+)  # fmt: skip
+def test_time_units_by_magnitude_numbers_and_numeric_strings(tmp_path, unit, scale, as_string):
+    rows = [
+        {"timestamp": (EPOCH_S + i) * scale, "input_length": 10, "hash_ids": [i]} for i in range(3)
+    ]
+    if as_string:
+        for row in rows:
+            row["timestamp"] = str(row["timestamp"])
+    path = _write(tmp_path / "t.jsonl", [json.dumps(r) for r in rows])
+    expected = [(EPOCH_S + i) * 1000 for i in range(3)]
+    assert [e.ts_ms for e in read_trace(path)] == expected  # auto
+    assert [e.ts_ms for e in read_trace(path, time_unit=unit)] == expected
+    if unit != "ms":  # the wrong unit given explicitly is what the user asked for
+        assert [e.ts_ms for e in read_trace(path, time_unit="ms")] != expected
+
+
+def test_fractional_seconds_and_small_ms_traces(tmp_path):
+    path = _write(
+        tmp_path / "s.jsonl",
+        [json.dumps({"timestamp": t, "input_length": 1, "hash_ids": [1]}) for t in (0.5, 1.25)],
+    )
+    assert [e.ts_ms for e in read_trace(path)] == [500, 1250]
+    # Mooncake's own traces: integer ms from the trace start.
+    path = _write(tmp_path / "m.jsonl", [json.dumps(r) for r in MOONCAKE_ROWS])
+    assert [e.ts_ms for e in read_trace(path)] == [0, 3000]
+
+
+def test_one_absurd_timestamp_is_rejected_alone(tmp_path):
+    stamps = [1000, 2000, 10**15, 3000, 4000]
+    path = _write(
+        tmp_path / "t.jsonl",
+        [
+            json.dumps({"timestamp": t, "input_length": 1, "hash_ids": [i]})
+            for i, t in enumerate(stamps)
+        ],
+    )
+    log = RejectLog()
+    assert [e.ts_ms for e in read_trace(path, rejects=log, time_unit="ms")] == [
+        1000,
+        2000,
+        3000,
+        4000,
+    ]
+    assert dict(log.counts) == {"ts_jump": 1}
+
+
+def test_reject_summary_names_the_most_common_reason_with_an_example(tmp_path):
+    path = _write(
+        tmp_path / "t.jsonl",
+        ['{"timestamp": "soon", "input_length": 1, "hash_ids": [1]}'] * 3 + ["{broken"],
+    )
+    log = RejectLog()
+    assert list(read_trace(path, rejects=log)) == []
+    summary = log.summary()
+    assert summary.startswith("4 rows rejected, most often bad_type (3), e.g. t.jsonl:1:")
+    assert "'soon'" in summary and "1 other reason" in summary
+
+
+def test_binary_and_missing_files_fail_before_the_first_row(tmp_path):
+    binary = tmp_path / "x.bin"
+    binary.write_bytes(bytes(range(256)))
+    with pytest.raises(TraceFormatError, match="binary data"):
+        read_trace(binary)  # not iterated: the check is eager
+    with pytest.raises(TraceFormatError, match="no such trace file"):
+        read_trace(tmp_path / "nope.jsonl")

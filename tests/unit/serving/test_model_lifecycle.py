@@ -140,3 +140,48 @@ def test_learned_to_learned_swap_shares_the_feature_state(saved_model, tmp_path,
     fitted_lightgbm(seed=2).save(path)  # a new version lands at the same path
     assert manager.check_for_update() is True
     assert sidecar.policy.state is state
+
+
+def test_alias_polls_look_up_the_version_and_download_only_when_it_changes(saved_model):
+    import shutil
+
+    from serving.model_lifecycle import Resolver
+
+    class Registry(Resolver):
+        """An alias that names version 1, later 2; counts downloads."""
+
+        def __init__(self) -> None:
+            self.current = "1"
+            self.downloads: list[str] = []
+
+        def version(self, uri: str) -> str:
+            return self.current
+
+        def download(self, uri: str, scratch: Path) -> Path:
+            self.downloads.append(self.current)
+            return Path(shutil.copytree(saved_model, scratch / "policy"))
+
+    registry = Registry()
+    manager = ModelManager("models:/kv@champion", resolver=registry)
+    manager.load_initial(fallback=False)
+    status = manager.status
+    assert (status.name, status.alias, status.version) == ("kv", "champion", "1")
+    for _ in range(3):
+        assert manager.check_for_update() is False
+    assert registry.downloads == ["1"]  # three polls, no download
+    registry.current = "2"
+    assert manager.check_for_update() is True
+    assert registry.downloads == ["1", "2"] and manager.status.version == "2"
+
+
+def test_a_model_trained_on_a_stretched_trace_is_refused(tmp_path):
+    from serving.model_lifecycle import ModelStartError
+
+    policy = fitted_lightgbm()
+    policy.training_info["time_base"] = {"unit": "ms", "clock": "event", "time_scale": 2.31}
+    directory = policy.save(tmp_path / "replay-model")
+    assert json.loads((directory / "policy.json").read_text())["time_base"]["time_scale"] == 2.31
+    with pytest.raises(ModelStartError, match="stretched x2.31"):
+        ModelManager(str(directory)).load_initial(fallback=False)
+    unscaled = fitted_lightgbm().save(tmp_path / "trained")
+    assert ModelManager(str(unscaled)).load_initial(fallback=False).name == "lightgbm"

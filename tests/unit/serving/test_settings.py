@@ -114,3 +114,33 @@ def test_endpoint_parsers():
     assert parse_executor("none").scheme == "none"
     with pytest.raises(SettingsError, match="kafka:TOPIC .local broker. or file:PATH"):
         parse_sink("kafka://127.0.0.1:9092/")
+
+
+def test_kafka_topic_shorthand_uses_the_local_broker(monkeypatch, tmp_path):
+    from serving.settings import DEFAULT_BOOTSTRAP, bootstrap_file, local_bootstrap
+
+    monkeypatch.delenv("KVWARM_KAFKA_BOOTSTRAP", raising=False)
+    monkeypatch.setenv("KVWARM_CACHE_DIR", str(tmp_path))
+    assert local_bootstrap() == DEFAULT_BOOTSTRAP
+    assert parse_source("kafka:kv-events").target == DEFAULT_BOOTSTRAP
+    bootstrap_file().parent.mkdir(parents=True)
+    bootstrap_file().write_text("127.0.0.1:39092\n")  # what `kvwarm kafka up` writes
+    assert parse_source("kafka:kv-events") == parse_source("kafka://127.0.0.1:39092/kv-events")
+    monkeypatch.setenv("KVWARM_KAFKA_BOOTSTRAP", "broker:9093")
+    assert parse_sink("kafka:kv-decisions").target == "broker:9093"
+    # The default source is the default topic every command shares.
+    assert load_settings(None).source_endpoint.topic == "kv-events"
+
+
+def test_unknown_config_keys_are_refused(tmp_path):
+    config = tmp_path / "sidecar.toml"
+    config.write_text("batch_sise = 64\n")
+    with pytest.raises(SettingsError, match="unknown setting.*batch_sise.*batch_size"):
+        load_settings(config)
+    config.write_text("[planner]\neviction_sampel = 3\n")
+    with pytest.raises(ValueError, match="eviction_sampel"):
+        load_settings(config)
+
+
+def test_features_run_on_event_time_by_default():
+    assert load_settings(None).clock == "event"

@@ -78,5 +78,5 @@ def test_names_and_durations():
     assert parse_duration_ms("2m") == 120_000
     assert parse_duration_ms("45000ms") == 45_000
     with pytest.raises(click.BadParameter, match="no unit"):
-        parse_duration_ms("45000")
+        parse_duration_ms("45000")  # a bare number is refused, not read as ms
     assert parse_duration_ms("1.5s") == 1_500
