@@ -59,3 +59,16 @@ def test_max_age_zero_always_recomputes(ready_policy, contract_events) -> None:
     policy.score(hashes, t)
     later = t + 60_000
     np.testing.assert_array_equal(policy.score(hashes, later), _fresh(policy, hashes, later))
+
+
+def test_lstm_scores_do_not_depend_on_the_batch_they_are_padded_into(
+    ready_policy, contract_events
+) -> None:
+    policy = ready_policy("lstm")
+    policy.observe_many(contract_events[:200])
+    hashes = policy.state.tracked_hashes()[:100]
+    t = contract_events[199].ts_ms
+    rows = policy.state.features_for(hashes, t)
+    whole = policy.predict_features(rows)  # padded to 128 rows
+    for n in (1, 3, 17):  # padded to 16, 16, 32 rows
+        np.testing.assert_allclose(policy.predict_features(rows[:n]), whole[:n], atol=1e-6)
