@@ -11,6 +11,13 @@ consumed by the sidecar, which publishes its decisions to a second topic.
 Without ``--model`` a LightGBM model is trained here on the first third of the trace
 (``training.train``, imported lazily: this is a benchmark, not the serving path).
 ``--profile-out FILE`` writes a cProfile of the learned file-source run.
+
+Open loop (``--rates``): saturation says nothing about latency, since at saturation
+every event waits for the backlog ahead of it. So each policy is also driven from the
+same file events released at offered rates (fractions of that policy's measured
+maximum, by wall clock, ``PacedSource``), and each event's latency is counted from its
+arrival (when it became available at the source) to the commit after its decisions
+were delivered: queueing, batching, scoring and the sink's flush included.
 """
 
 from __future__ import annotations
@@ -128,6 +135,74 @@ def run_once(
     )
 
 
+class PacedSource:
+    """Open-loop ``EventSource`` over events in memory: event ``i`` arrives at
+    ``start + i / rate`` (wall clock) and can be polled from then on. ``commit`` (which
+    the loop calls once the decisions of everything polled were delivered) records
+    each committed event's latency from its arrival."""
+
+    def __init__(self, events: list[Any], rate_events_per_s: float) -> None:
+        self.events = events
+        self.interval_s = 1.0 / rate_events_per_s
+        self.next_index = 0
+        self.start_s: float | None = None
+        self.pending_arrivals_s: list[float] = []
+        self.latencies_s: list[float] = []
+
+    @property
+    def exhausted(self) -> bool:
+        return self.next_index >= len(self.events) and not self.pending_arrivals_s
+
+    def poll(self, max_events: int, timeout_ms: int) -> list[Any]:
+        now = time.perf_counter()
+        if self.start_s is None:
+            self.start_s = now
+        if self.next_index >= len(self.events):
+            return []
+        next_arrival = self.start_s + self.next_index * self.interval_s
+        if next_arrival > now:  # idle until the next arrival, at most the poll timeout
+            time.sleep(min(next_arrival - now, timeout_ms / 1000))
+            now = time.perf_counter()
+        arrived = min(len(self.events), int((now - self.start_s) / self.interval_s) + 1)
+        take = max(0, min(arrived - self.next_index, max_events))
+        first = self.next_index
+        self.next_index += take
+        self.pending_arrivals_s.extend(
+            self.start_s + i * self.interval_s for i in range(first, first + take)
+        )
+        return self.events[first : first + take]
+
+    def commit(self) -> None:
+        now = time.perf_counter()
+        self.latencies_s.extend(now - a for a in self.pending_arrivals_s)
+        self.pending_arrivals_s.clear()
+
+    def close(self) -> None:
+        return None
+
+    def stats(self) -> dict[str, Any]:
+        return {"events": self.next_index}
+
+
+def open_loop(
+    label: str, settings_kwargs: dict[str, Any], events: list[Any], rate_events_per_s: float
+) -> tuple[float, float, float]:
+    """(achieved events/s, p50 ms, p99 ms) of one open-loop run at ``rate_events_per_s``."""
+    settings = load_settings(None, **settings_kwargs)
+    source = PacedSource(events, rate_events_per_s)
+    service = Service(settings, source=source)
+    stop_watchdog = _watchdog(service, STALL_S)
+    try:
+        t0 = time.perf_counter()
+        service.run(max_events=len(events))
+        elapsed = time.perf_counter() - t0
+    finally:
+        stop_watchdog.set()
+        service.close()
+    lat = np.array(source.latencies_s or [0.0]) * 1000
+    return len(events) / elapsed, float(np.percentile(lat, 50)), float(np.percentile(lat, 99))
+
+
 def _print(results: list[RunResult], baseline: RunResult) -> None:
     click.echo(
         f"{'run':<26}{'accesses/s':>12}{'x LRU':>7}{'p50 ms':>9}{'p99 ms':>9}"
@@ -163,6 +238,12 @@ def _kafka_up(bootstrap: str) -> bool:
     show_default="$KVWARM_KAFKA_BOOTSTRAP or 127.0.0.1:9092",
 )
 @click.option("--profile-out", type=click.Path(dir_okay=False), default=None)
+@click.option(
+    "--rates",
+    default="0.25,0.5,0.75",
+    show_default=True,
+    help="Open-loop offered rates as fractions of each policy's maximum ('' to skip).",
+)
 def serve_bench(
     num_requests: int,
     workload: str,
@@ -170,6 +251,7 @@ def serve_bench(
     batch_size: int,
     kafka_bootstrap: str,
     profile_out: str | None,
+    rates: str,
 ) -> None:
     """Sidecar throughput (block accesses/s) and event-to-decision latency, learned vs LRU."""
     from features.generator import generate_to_file, params_for
@@ -200,6 +282,31 @@ def serve_bench(
             }
             file_runs.append(run_once(label, kwargs))
         _print(file_runs, file_runs[0])
+        fractions = [float(f) for f in rates.split(",") if f.strip()]
+        if fractions:
+            from features.decoders import read_trace
+
+            events = list(read_trace(trace))
+            click.echo(
+                "\nopen loop, file events released at offered rates "
+                "(latency per event from its arrival to its decisions' commit):"
+            )
+            click.echo(f"{'run':<26}{'offered/s':>11}{'achieved/s':>12}{'p50 ms':>9}{'p99 ms':>9}")
+            for (label, spec), saturated in zip(
+                (("open  lru", "lru"), ("open  learned", model)), file_runs, strict=True
+            ):
+                max_rate = saturated.events / saturated.elapsed_s
+                for fraction in fractions:
+                    kwargs = {
+                        **common,
+                        "model": spec,
+                        "decisions": (f"file:{tmp / ('open-' + label.split()[-1] + '.jsonl')}",),
+                    }
+                    achieved, p50, p99 = open_loop(label, kwargs, events, fraction * max_rate)
+                    click.echo(
+                        f"{label + f' @{fraction:g}x max':<26}{fraction * max_rate:>11,.0f}"
+                        f"{achieved:>12,.0f}{p50:>9.2f}{p99:>9.2f}"
+                    )
         if profile_out:
             # A separate run: the measured ones above carry no profiler overhead.
             kwargs = {

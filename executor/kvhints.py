@@ -287,8 +287,11 @@ def decision_format(name: str) -> DecisionFormat:
 
 
 def decisions_from_record(value: bytes) -> list[Decision]:
-    """Read back one record of either format (a native decision or an envelope)."""
+    """Read back one record of either format: native (a JSON array of decisions, as
+    ``KafkaDecisionSink`` batches them, or one decision object) or an envelope."""
     obj = msgspec.json.decode(value)
     if isinstance(obj, dict) and "actions" in obj:
         return decisions_from_envelope(obj)
+    if isinstance(obj, list):
+        return [Decision.from_dict(d) for d in obj]
     return [Decision.from_dict(obj)]

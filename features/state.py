@@ -18,6 +18,10 @@ Primitives:
     or a trace; use ``observe`` when rows are needed between two events.
   - ``features_for(block_hashes, now_ms)``: float32 matrix (n, len(feature_names)),
     a valid row for unknown blocks (``known=0``), never an exception.
+  - ``store_scores(slots, scores, now_ms)`` / ``stored_scores(slots, now_ms,
+    max_age_ms)``: a policy's prediction kept per row, so eviction reads it instead
+    of re-running the model; void once the row changes (an access, a residency
+    change, eviction of the row) or older than ``max_age_ms`` (the refresh rule).
   - cheap accessors for the baselines (``last_access_ms``, ``access_count``,
     ``decayed_count``, ``root_last_access_ms``), ``known``/``slot_of``,
     ``tracked_hashes``, ``num_tracked``, ``bytes_per_tracked_block``.
@@ -78,6 +82,7 @@ _REQORD, _REQLEN, _INTOK, _OUTTOK, _HITLEN, _TURN, _TURNGAP = 0, 1, 2, 3, 4, 5, 
 _ROOT, _COUNT, _DEPTH, _PARENT, _NCHILD = 7, 8, 9, 10, 11
 _NUM_I32 = 12
 _INT32_MAX = 2**31 - 1
+_MAX_SCORED_MS = 2**62  # stored-score times are clamped here (int64-safe)
 # Features that are a stored int32 column as it is.
 _DIRECT_SRC = np.array([_COUNT, _DEPTH, _REQLEN, _INTOK, _OUTTOK, _TURN, _TURNGAP, _NCHILD])
 _DIRECT_NAMES = (
@@ -212,6 +217,10 @@ class FeatureState:
         # decayed counters, one per half-life.
         self._f32 = np.zeros((cap, p.num_gaps + len(p.half_lives_s)), dtype=np.float32)
         self._u8 = np.zeros((cap, _NUM_U8), dtype=np.uint8)
+        # A policy's stored prediction per row (see ``store_scores``): the score and
+        # the time it was computed + 1 (0 = none, or the row changed since).
+        self._score = np.zeros(cap, dtype=np.float32)
+        self._scored = np.zeros(cap, dtype=np.int64)
         self._index: dict[int, int] = {}
         self._free: list[int] = []
         self._high_water = 0  # rows [0, high_water) have been handed out at least once
@@ -471,6 +480,7 @@ class FeatureState:
         self._i32[uniq] = J_new
         self._f32[uniq] = F_new
         self._u8[sl[req_start + lens - 1], _FLAGS] |= _FLAG_EVER_TAIL
+        self._scored[uniq] = 0  # the rows changed: their stored scores are void
         self.last_request_slots = sl[req_start[-1] :]
         return nreq
 
@@ -484,6 +494,7 @@ class FeatureState:
             self._set_tier(event.block_hashes, event.tier, False)
         elif isinstance(event, AllBlocksCleared):
             self._u8[: self._high_water, _TIERS] = 0
+            self._scored[: self._high_water] = 0
         else:
             raise TypeError(
                 f"FeatureState.observe takes features.events types, got {type(event).__name__}"
@@ -612,6 +623,7 @@ class FeatureState:
         self._i32[sl] = J
         self._f32[sl] = F
         self._u8[found[-1], _FLAGS] |= _FLAG_EVER_TAIL
+        self._scored[sl] = 0  # the rows changed: their stored scores are void
         self.last_request_slots = sl
 
     def _allocate(
@@ -652,7 +664,7 @@ class FeatureState:
             found[i] = slot
 
     def _arrays(self) -> tuple[np.ndarray, ...]:
-        return (self._hash, self._i64, self._i32, self._f32, self._u8)
+        return (self._hash, self._i64, self._i32, self._f32, self._u8, self._score, self._scored)
 
     def _grow(self, rows: int) -> None:
         rows = min(rows, self.params.max_tracked_blocks)
@@ -664,7 +676,7 @@ class FeatureState:
             out = np.zeros((rows, *a.shape[1:]), dtype=a.dtype)
             out[:old] = a
             grown.append(out)
-        self._hash, self._i64, self._i32, self._f32, self._u8 = grown
+        self._hash, self._i64, self._i32, self._f32, self._u8, self._score, self._scored = grown
 
     def _evict(self, at_least: int, protect: np.ndarray) -> None:
         """Drop the coldest rows (oldest last access), never those in ``protect``."""
@@ -703,6 +715,7 @@ class FeatureState:
         if not slots:
             return
         bit = 1 << tier.rank
+        self._scored[slots] = 0  # tier_rank changes: stored scores are void
         if present:
             self._u8[slots, _TIERS] |= np.uint8(bit)
         else:
@@ -742,6 +755,35 @@ class FeatureState:
     def hashes_of_slots(self, slots: np.ndarray) -> np.ndarray:
         """Hashes (uint64) held in these rows (e.g. ``last_request_slots``)."""
         return self._hash[slots]
+
+    # --- stored scores ----------------------------------------------------------------
+
+    def stored_scores(
+        self, slots: np.ndarray, now_ms: int, max_age_ms: int
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """(stored score per row, whether it may be used at ``now_ms``).
+
+        Refresh rule: a stored score is usable while its row has not changed since it
+        was stored (any access to the block voids it) and it is at most ``max_age_ms``
+        old. Untracked rows (-1) are never usable. Scores are written by
+        ``store_scores``; the state itself never computes one."""
+        sl = np.asarray(slots, dtype=np.intp)
+        known = sl >= 0
+        safe = np.where(known, sl, 0)
+        scored = self._scored[safe]
+        usable = known & (scored > 0) & (now_ms + 1 - scored <= max_age_ms)
+        return self._score[safe], usable
+
+    def store_scores(self, slots: np.ndarray, scores: np.ndarray, now_ms: int) -> None:
+        """Keep ``scores`` (computed at ``now_ms``) for these rows; -1 rows are skipped."""
+        sl = np.asarray(slots, dtype=np.intp)
+        keep = sl >= 0
+        self._score[sl[keep]] = np.asarray(scores, dtype=np.float32)[keep]
+        self._scored[sl[keep]] = min(now_ms, _MAX_SCORED_MS) + 1
+
+    def forget_scores(self) -> None:
+        """Void every stored score (the model that computed them was replaced)."""
+        self._scored[: self._high_water] = 0
 
     # --- cheap accessors for baseline policies -------------------------------------
 

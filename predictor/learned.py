@@ -45,6 +45,16 @@ class LearnedParams(PolicyParams):
         120_000, ge=1, description="H: the model predicts reuse within (t, t + H]."
     )
     seed: int = Field(0, ge=0, description="Seed of every random choice in training.")
+    score_max_age_ms: int = Field(
+        0,
+        ge=0,
+        description="Score once, keep the score: a block's prediction is stored in the "
+        "feature state and reused while the block is not accessed again and the score is "
+        "at most this old (event time); 0 recomputes every score (exact, slowest). "
+        "Shared trace, 5%, single tier: 10 s halves the model rows per access "
+        "(12.5 -> 6.4) at an unchanged hit ratio (+0.0004); 60 s: 2.3 rows, -0.003. "
+        "Off (0) by default: evaluation compares scores with the model on the same rows.",
+    )
 
 
 def feature_params_to_dict(params: FeatureParams) -> dict[str, Any]:
@@ -94,10 +104,26 @@ class LearnedPolicy(Policy):
         self.state.observe_many(events)
 
     def score(self, block_hashes: np.ndarray, now_ms: int) -> np.ndarray:
+        """Stored scores where the refresh rule allows (``score_max_age_ms``), the rest
+        computed in one model call and stored: a block is scored once per access
+        (when first asked after it), not once per eviction sample that holds it."""
         hashes = as_hash_array(block_hashes)
         if hashes.shape[0] == 0:
             return np.zeros(0, dtype=np.float32)
-        return self.predict_features(self.state.features_for(hashes, now_ms))
+        max_age_ms = self.params.score_max_age_ms
+        state = self.state
+        if max_age_ms == 0:
+            return self.predict_features(state.features_for(hashes, now_ms))
+        slots = state.slot_of(hashes)
+        stored, usable = state.stored_scores(slots, now_ms, max_age_ms)
+        if usable.all():
+            return stored
+        out = stored.copy()
+        need = np.flatnonzero(~usable)
+        fresh = self.predict_features(state.features_for_slots(slots[need], now_ms))
+        out[need] = fresh
+        state.store_scores(slots[need], fresh, now_ms)
+        return out
 
     def predict_features(self, features: np.ndarray) -> np.ndarray:
         """Probability of reuse within the horizon per feature row (float32)."""

@@ -36,6 +36,10 @@ from predictor.model_check import check_lstm_weights
 WEIGHTS_FILE = "weights.pt"
 
 
+_MAX_BATCH_ROWS = 65_536
+"""Rows per forward pass (bounds the memory of one scoring call)."""
+
+
 class LSTMParams(LearnedParams):
     hidden_size: int = Field(32, ge=1, le=1024, description="LSTM hidden units.")
     context_size: int = Field(64, ge=1, le=4096, description="Hidden units of the context MLP.")
@@ -214,13 +218,25 @@ class LSTMPolicy(LearnedPolicy):
         return total / max(seq.shape[0], 1)
 
     def _predict(self, features: np.ndarray) -> np.ndarray:
-        seq, ctx = self._inputs(features)
-        out = np.empty(features.shape[0], dtype=np.float32)
+        """One batch per call, in inference mode, at a few fixed shapes: the rows are
+        padded up to the next power of two (at least 16, at most 65,536 per chunk), so
+        the network sees a handful of batch sizes whatever the request sizes. Rows are
+        independent (eval mode), so padding changes no score."""
+        n = features.shape[0]
+        out = np.empty(n, dtype=np.float32)
+        if n == 0:
+            return out
         self.net.eval()
-        with _torch_threads(self.params.num_threads), torch.no_grad():
-            for start in range(0, features.shape[0], 65536):
-                sl = slice(start, start + 65536)
-                out[sl] = torch.sigmoid(self.net(seq[sl], ctx[sl])).numpy()
+        with _torch_threads(self.params.num_threads), torch.inference_mode():
+            for start in range(0, n, _MAX_BATCH_ROWS):
+                chunk = features[start : start + _MAX_BATCH_ROWS]
+                rows = chunk.shape[0]
+                padded_rows = min(_MAX_BATCH_ROWS, max(16, 1 << (rows - 1).bit_length()))
+                if padded_rows != rows:
+                    pad = np.zeros((padded_rows - rows, chunk.shape[1]), dtype=chunk.dtype)
+                    chunk = np.concatenate([chunk, pad])
+                seq, ctx = self._inputs(chunk)
+                out[start : start + rows] = torch.sigmoid(self.net(seq, ctx)).numpy()[:rows]
         return out
 
     def _adopt_model(self, other: Any) -> None:

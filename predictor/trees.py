@@ -130,7 +130,7 @@ def _numbers(
         raise _fail(path, f"{where}: '{key}' is missing")
     text = fields[key].strip()
     try:
-        values = np.array(text.split(" ") if text else [], dtype=dtype)
+        values: np.ndarray = np.array(text.split(" ") if text else [], dtype=dtype)
     except (ValueError, OverflowError) as exc:
         raise _fail(path, f"{where}: '{key}' is not a list of numbers ({exc})") from exc
     if values.shape[0] != count:

@@ -8,8 +8,12 @@ Primitives:
   committed. Payloads are decoded by ``features.decoders.decode_message``; a message
   that fails goes, unchanged, to a dead-letter topic with headers naming the reason
   and its source topic/partition/offset, and is counted.
-- ``KafkaDecisionSink``: decisions out, idempotent producer, key = block hash,
-  value = the decision as JSON.
+- ``KafkaDecisionSink``: decisions out, idempotent producer, one record per ``emit``
+  (a request's or a prefetch round's decisions; chunks of at most
+  ``max_decisions_per_record``): value = a JSON array of decisions, key = the first
+  decision's block hash. ``decode_decision_record`` reads one back (an array, or a
+  single decision object as older kvwarm wrote). One record per decision cost
+  ~150 us of kafka-python per decision, ~2 per block access.
 - ``KafkaEventProducer`` / ``produce_trace``: access events in, keyed by prefix root
   (the first block hash) so a session's requests stay in one partition, in order.
 - ``ensure_topics``: create topics with chosen partition counts (admin client).
@@ -579,6 +583,7 @@ class _Producer:
         linger_ms: int,
         security: KafkaSecurity | None,
         options: ConnectOptions,
+        batch_size_bytes: int = 16_384,
     ) -> None:
         self.bootstrap = bootstrap
         self.topic = topic
@@ -587,6 +592,7 @@ class _Producer:
             "enable_idempotence": True,
             "acks": "all",
             "linger_ms": linger_ms,
+            "batch_size": batch_size_bytes,
         }
         self._producer: KafkaProducer = _connect(
             what, bootstrap, options, lambda: KafkaProducer(**cfg)
@@ -645,12 +651,18 @@ class SupportsToDict(Protocol):
 
 
 class KafkaDecisionSink(_Producer):
-    """Decisions to a Kafka topic. ``decision_format`` ``native``: key = block hash
-    (decimal), value = decision JSON; ``kvhints``: key = message id, value = a hint
-    envelope (``executor.kvhints``).
+    """Decisions to a Kafka topic. ``decision_format`` ``native``: batched, one record
+    per ``emit`` call (the loop emits once per request and once per prefetch round),
+    value = JSON array of the decisions, key = the first one's block hash (decimal); a
+    batch of more than ``max_decisions_per_record`` is cut into several records (each
+    stays far below the broker's 1 MB message limit: a decision is ~250 bytes of JSON).
+    ``kvhints``: key = message id, value = a hint envelope (``executor.kvhints``).
 
     Accepts dicts or objects with ``to_dict()``. ``emit`` only queues; ``flush`` is
     where a lost record surfaces, so the loop calls it before ``source.commit()``.
+    Producer: linger 5 ms and 256 KiB batches (kafka-python's default 16 KiB holds
+    ~60 decisions), no compression (only gzip is available without extra packages,
+    and the broker is local: CPU, not bytes, is what a sidecar runs out of).
 
     With ``ack_topic``, a thread reads the acknowledgements executors or engines publish
     there (``{message_id, results: [{action_id, status}]}``) and counts them in ``acks``
@@ -664,6 +676,8 @@ class KafkaDecisionSink(_Producer):
         *,
         client_id: str = "kvwarm-decisions",
         linger_ms: int = 5,
+        batch_size_bytes: int = 262_144,
+        max_decisions_per_record: int = 1_000,
         security: KafkaSecurity | None = None,
         options: ConnectOptions = ConnectOptions(),
         decision_format: str = "native",
@@ -671,9 +685,12 @@ class KafkaDecisionSink(_Producer):
         ack_group_id: str = "kvwarm-acks",
     ) -> None:
         self.format = decision_format_named(decision_format)  # fails before connecting on a typo
+        if max_decisions_per_record < 1:
+            raise ValueError("max_decisions_per_record must be >= 1")
         super().__init__(
             "decision producer", bootstrap, topic,
             client_id=client_id, linger_ms=linger_ms, security=security, options=options,
+            batch_size_bytes=batch_size_bytes,
         )  # fmt: skip
         self.acks: Counter[str] = Counter()
         self._ack_stop = threading.Event()
@@ -694,28 +711,38 @@ class KafkaDecisionSink(_Producer):
                 target=self._read_acks, args=(consumer,), name="kvwarm-acks", daemon=True
             )
             self._ack_thread.start()
+        self.max_decisions_per_record = max_decisions_per_record
+        self.num_decisions = 0
 
     def emit(self, decisions: Iterable[Mapping[str, Any] | SupportsToDict]) -> int:
-        """Queue decisions for sending; returns how many."""
-        if self.format.name == "native":
-            count = 0
-            for decision in decisions:
-                record = decision if isinstance(decision, Mapping) else decision.to_dict()
-                block_hash = record.get("block_hash")
-                if block_hash is None:
-                    raise ValueError(
-                        f"a decision needs a block_hash to key it by, got {dict(record)!r:.200}"
-                    )
-                self._send(str(block_hash).encode(), msgspec.json.encode(record))
-                count += 1
-            return count
-        typed = [
-            d if isinstance(d, Decision) else Decision.from_dict(dict(d))  # type: ignore[arg-type]
-            for d in decisions
-        ]
-        for key, value in self.format.records(typed):
-            self._send(key, value)
-        return len(typed)
+        """Queue decisions for sending (native: one record per chunk); returns how many."""
+        if self.format.name != "native":
+            typed = [
+                d if isinstance(d, Decision) else Decision.from_dict(dict(d))  # type: ignore[arg-type]
+                for d in decisions
+            ]
+            for key, value in self.format.records(typed):
+                self._send(key, value)
+            self.num_decisions += len(typed)
+            return len(typed)
+        batch: list[Mapping[str, Any]] = []
+        count = 0
+        for decision in decisions:
+            record = decision if isinstance(decision, Mapping) else decision.to_dict()
+            if record.get("block_hash") is None:
+                raise ValueError(
+                    f"a decision needs a block_hash to key it by, got {dict(record)!r:.200}"
+                )
+            batch.append(record)
+            if len(batch) >= self.max_decisions_per_record:
+                self._send_batch(batch)
+                count += len(batch)
+                batch = []
+        if batch:
+            self._send_batch(batch)
+            count += len(batch)
+        self.num_decisions += count
+        return count
 
     def _read_acks(self, consumer: KafkaConsumer) -> None:
         """Count acknowledgements until ``close``; a malformed one counts as malformed."""
@@ -745,11 +772,28 @@ class KafkaDecisionSink(_Producer):
                 self._ack_thread.join(timeout=timeout_s)
                 self._ack_thread = None
 
+    def _send_batch(self, batch: list[Mapping[str, Any]]) -> None:
+        self._send(str(batch[0]["block_hash"]).encode(), msgspec.json.encode(batch))
+
     def __enter__(self) -> KafkaDecisionSink:
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def decode_decision_record(value: bytes) -> list[dict[str, Any]]:
+    """The decisions in one record of a decisions topic: a JSON array (this kvwarm) or
+    one decision object (older kvwarm). Raises ``ValueError`` for anything else."""
+    try:
+        data = msgspec.json.decode(value)
+    except msgspec.DecodeError as exc:
+        raise ValueError(f"a decision record must be JSON ({exc})") from exc
+    if isinstance(data, dict):
+        return [data]
+    if isinstance(data, list) and all(isinstance(d, dict) for d in data):
+        return data
+    raise ValueError("a decision record is a JSON array of decision objects")
 
 
 def prefix_root_key(event: BlocksAccessed) -> bytes:

@@ -217,6 +217,11 @@ class Sidecar:
         while not stop.is_set():
             events = source.poll(batch_size, poll_timeout_ms)
             for event in events:
+                if stop.is_set():
+                    # Shutdown between two events: nothing of this batch is committed,
+                    # so the source redelivers it (at least once), and a long batch
+                    # never delays a SIGTERM by more than one event.
+                    return self.stats
                 try:
                     self.handle(event, clock() if clock else None)
                 except Exception as exc:  # one bad event never stops the stream

@@ -214,7 +214,7 @@ class Planner:
             over = placement.overflow(tier)
             if over <= 0:
                 return
-            if over <= self.params.eviction_sample:
+            if 2 * over < placement.count(tier):
                 sample = placement.sample(
                     tier, self.params.eviction_sample + over, self.rng, exclude=pinned
                 )
@@ -222,8 +222,8 @@ class Planner:
                 # Distinct, in first-seen order: a stored block may also have been sampled.
                 candidates = list(dict.fromkeys(candidates))
             else:
-                # A spill larger than the sample (an oversized request, a cascade):
-                # sampling would only repeat members; every resident is a candidate,
+                # A spill of over half the tier (an oversized request, its cascade):
+                # sampling would mostly repeat members; every resident is a candidate,
                 # in member order, the request's own last (they spill only if needed).
                 candidates = [b for b in placement.members(tier) if b not in pinned]
                 if self.params.admission or len(candidates) < over:

@@ -19,6 +19,7 @@ from serving.kafka_io import (
     KafkaDecisionSink,
     KafkaEventSource,
     KafkaUnavailableError,
+    decode_decision_record,
     ensure_topics,
     produce_trace,
     read_topic,
@@ -112,10 +113,23 @@ def test_decision_sink_keys_by_block_hash(
         assert sink.emit(Decision(i) for i in range(50)) == 50
         sink.flush()
     records = read_topic(kafka_bootstrap, topic)
-    assert len(records) == 100
-    values = {json.loads(r.value)["decision_id"]: (r.key, json.loads(r.value)) for r in records}
-    assert values["m3"] == (str(2**64 - 4).encode(), decisions[3])
-    assert values["d7"] == (b"1007", Decision(7).to_dict())
+    # One record per emit, keyed by its first decision's block hash.
+    assert len(records) == 2
+    by_key = {r.key: decode_decision_record(r.value) for r in records}
+    assert by_key[str(2**64 - 1).encode()] == decisions
+    assert by_key[b"1000"] == [Decision(i).to_dict() for i in range(50)]
+    assert (
+        json.loads(next(r.value for r in records if r.key == b"1000"))[7] == Decision(7).to_dict()
+    )
+
+    chunked = topic + "-chunked"
+    ensure_topics(kafka_bootstrap, {chunked: 1})
+    with KafkaDecisionSink(kafka_bootstrap, chunked, max_decisions_per_record=20) as sink:
+        assert sink.emit(decisions) == 50
+        sink.flush()
+    records = read_topic(kafka_bootstrap, chunked)
+    assert [len(decode_decision_record(r.value)) for r in records] == [20, 20, 10]
+    assert [d for r in records for d in decode_decision_record(r.value)] == decisions
 
 
 def test_unreachable_broker_names_the_address() -> None:

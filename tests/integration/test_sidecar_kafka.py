@@ -10,7 +10,6 @@ clock). An event is decided iff its ``ts_ms`` appears on the decisions topic.
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import subprocess
@@ -53,9 +52,14 @@ def _produce(bootstrap: str, topic: str, events: list[BlocksAccessed], partition
 
 
 def _decided_ts(bootstrap: str, topic: str) -> list[int]:
-    from serving.kafka_io import read_topic
+    from serving.kafka_io import decode_decision_record, read_topic
 
-    return [json.loads(r.value)["ts_ms"] for r in read_topic(bootstrap, topic) if r.value]
+    return [
+        d["ts_ms"]
+        for r in read_topic(bootstrap, topic)
+        if r.value
+        for d in decode_decision_record(r.value)
+    ]
 
 
 SETTINGS_ENV = {
