@@ -86,6 +86,11 @@ class WorkloadParams:
     # learnable regularity used by tests; 0 = log-normal think times).
     fixed_return_gap_s: float = 0.0
     output_tokens_max: int = 4096
+    # Long context: when set, a chat's first context is uniform in these bounds
+    # (tokens) instead of log-normal; a session ends before a prompt would exceed
+    # max_prompt_tokens (0: no limit).
+    chat_first_context_tokens: tuple[int, int] | None = None
+    max_prompt_tokens: int = 0
 
 
 PROFILES: dict[str, dict[str, Any]] = {
@@ -101,6 +106,25 @@ PROFILES: dict[str, dict[str, Any]] = {
         "chat_mean_turns": 4.0,
         "num_system_prompts": 200,
         "system_prompt_zipf": 0.0,
+    },
+    # The seed's long-context setting: prompts of 32k-128k tokens, reused across the
+    # turns of a conversation (the context grows by answer + user turn) and across
+    # sessions reading the same long documents (300, Zipf 0.8). The working set (tens
+    # of millions of tokens at 248 KiB each) is far beyond HBM: reuse needs the
+    # external tiers.
+    "longctx": {
+        "mix": {"chat": 0.5, "rag": 0.5, "agent": 0.0, "scan": 0.0},
+        "session_rate_per_s": 0.05,
+        "num_system_prompts": 4,
+        "fewshot_probability": 0.0,
+        "chat_first_context_tokens": (32_000, 100_000),
+        "chat_mean_turns": 4.0,
+        "chat_think_median_s": 60.0,
+        "rag_num_documents": 300,
+        "rag_zipf": 0.8,
+        "rag_document_tokens": (32_000, 120_000),
+        "rag_mean_questions": 3.0,
+        "max_prompt_tokens": 131_072,
     },
 }
 
@@ -193,7 +217,11 @@ class _Model:
         if kind == "chat":
             if self.rng.random() < p.fewshot_probability:
                 context.append(self.fewshots[int(self.rng.integers(len(self.fewshots)))])
-            context.append(self._segment(self._lognormal(p.chat_first_context_median_tokens, 1.0)))
+            if p.chat_first_context_tokens is not None:
+                first = float(self._uniform(p.chat_first_context_tokens))
+            else:
+                first = self._lognormal(p.chat_first_context_median_tokens, 1.0)
+            context.append(self._segment(first))
             turns, think, append = (
                 self._turns(p.chat_mean_turns),
                 p.chat_think_median_s,
@@ -207,7 +235,10 @@ class _Model:
                 p.agent_tool_median_tokens,
             )
         t = float(start_ms)
+        limit = p.max_prompt_tokens
         for i in range(turns):
+            if limit and sum(tokens for _, tokens in context) > limit:
+                return
             answer = self._answer()
             yield _Request(int(t), order + i, list(context), answer, session)
             context.append(self._segment(answer))

@@ -247,6 +247,8 @@ class ExecutorSink:
             self.skip_reasons[_reason_kind(getattr(outcome, "reason", ""))] += 1
 
     def emit(self, decisions: Sequence[Decision]) -> int:
+        if self._sim:
+            return self.emit_at(decisions)
         # Items in planner order: stores come first for their block (NOWHERE -> tier).
         pending: list[tuple[int, str | None, Decision | tuple[int, str, int]]] = [
             (b, t, (b, t, now)) for b, t, now in self._stores
@@ -270,6 +272,21 @@ class ExecutorSink:
                 for _, _, what in pending:
                     self._run(what)
                 break
+        return len(decisions)
+
+    def emit_at(self, decisions: Sequence[Decision], now_ms: float | None = None) -> int:
+        """Simulated executor only: apply a round (held stores first, then
+        ``decisions``) atomically with respect to capacity, planner order kept, each
+        booked at ``now_ms`` (default: its ``ts_ms``). Replay's no-prewarm baseline
+        passes the time the engine schedules the request."""
+        stores, self._stores = self._stores, []
+        outcomes = self.executor.apply_batch(decisions, stores=stores, now_ms=now_ms)
+        for status in self.executor.last_store_statuses:
+            self.outcomes[("store", status)] += 1
+        for d, outcome in zip(decisions, outcomes, strict=True):
+            self.outcomes[(d.action, outcome.status)] += 1
+            if outcome.status != "applied":
+                self.skip_reasons[_reason_kind(outcome.reason)] += 1
         return len(decisions)
 
     def _run(self, what: Decision | tuple[int, str, int]) -> None:

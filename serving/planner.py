@@ -188,7 +188,11 @@ class Planner:
             sample = placement.sample(
                 tier, self.params.eviction_sample + over, self.rng, exclude=pinned
             )
-            candidates = sample + stored if self.params.admission else list(sample)
+            # Distinct candidates: a block demoted into this tier can also be sampled,
+            # and a victim counted twice would leave the tier over capacity.
+            candidates = (
+                list(dict.fromkeys(sample + stored)) if self.params.admission else list(sample)
+            )
             if len(candidates) < over:
                 # More pinned blocks than room: the request itself must spill.
                 extra = [b for b in placement.members(tier) if b not in set(candidates)]

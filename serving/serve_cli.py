@@ -243,6 +243,9 @@ class Service:
             prefetch=settings.prefetch,
         )
         self.sidecar.observe_score = self.metrics.scoring_seconds.observe
+        if settings.executor_endpoint.scheme == "sim":
+            # The simulated links' prefetch budget, asked by the planner (as in replay).
+            self.sidecar.prefetch_admit = self.executor.admit_prefetch
         self.models.attach(self.sidecar)
 
         sinks: list[DecisionSink] = []
