@@ -181,13 +181,6 @@ def spread_ties(events: Sequence[BlocksAccessed]) -> list[BlocksAccessed]:
 # --- tiered replay with prefetch ---------------------------------------------------
 
 
-def offered_prefill_ms(
-    events: Sequence[BlocksAccessed], prefill_ms: Callable[[float], float]
-) -> float:
-    """Prefill time of every prompt token, as if nothing were cached."""
-    return sum(prefill_ms(_input_tokens(e)) for e in events)
-
-
 def _input_tokens(event: BlocksAccessed) -> int:
     if event.input_tokens is not None:
         return event.input_tokens
