@@ -47,7 +47,9 @@ import numpy as np
 from executor.sim.profile import Profile, load_profile
 from features.events import BlocksAccessed
 
-SEED_R1 = {"read_gb_per_s": (0.98, 5.23), "ttft_s": (37.97, 9.30), "concurrency": 16}
+SEED_R1_READ_GB_PER_S = (0.98, 5.23)
+SEED_R1_TTFT_S = (37.97, 9.30)
+SEED_R1_CONCURRENCY = 16
 SEED_R2: dict[int, dict[str, float | None]] = {
     8: {"ttft_p50_s": 35.73, "ttft_p50_s_prewarm": 26.35, "throughput_gain": 0.29},
     16: {"ttft_p50_s": None, "ttft_p50_s_prewarm": None, "throughput_gain": 0.40},
@@ -126,7 +128,7 @@ def r1_ttft_p50_s(profile: Profile, prompt_tokens: int) -> float:
     setup = TieredSetup(
         profile=profile,
         hbm_capacity_blocks=_hbm_blocks(profile),
-        concurrency=int(SEED_R1["concurrency"]),
+        concurrency=SEED_R1_CONCURRENCY,
     )
     r = replay_tiered(
         _warm("lru", []),
@@ -144,7 +146,7 @@ def r1_prompt_tokens(profile: Profile) -> int:
     """The report does not give R1's prompt length: the one (to 512 tokens) whose
     serial-read TTFT p50 matches the seed's 37.97 s. A workload parameter, not a
     profile one; the parallel figure is then a prediction."""
-    target = float(SEED_R1["ttft_s"][0])
+    target = SEED_R1_TTFT_S[0]
     serial = serial_nvme(profile)
     lo, hi = 1, 256  # blocks
     while hi - lo > 1:
@@ -161,13 +163,13 @@ def run_r1(profile: Profile) -> dict[str, Any]:
     prompt = r1_prompt_tokens(profile)
     sim = [r1_ttft_p50_s(serial_nvme(profile), prompt), r1_ttft_p50_s(profile, prompt)]
     return {
-        "concurrency": SEED_R1["concurrency"],
+        "concurrency": SEED_R1_CONCURRENCY,
         "prompt_tokens": prompt,
-        "seed_read_gb_per_s": list(SEED_R1["read_gb_per_s"]),
-        "seed_ttft_s": list(SEED_R1["ttft_s"]),
+        "seed_read_gb_per_s": list(SEED_R1_READ_GB_PER_S),
+        "seed_ttft_s": list(SEED_R1_TTFT_S),
         "sim_ttft_p50_s": sim,
         "sim_improvement": sim[0] / sim[1],
-        "seed_improvement": SEED_R1["ttft_s"][0] / SEED_R1["ttft_s"][1],
+        "seed_improvement": SEED_R1_TTFT_S[0] / SEED_R1_TTFT_S[1],
     }
 
 
