@@ -28,7 +28,8 @@ Primitives (``now_ms`` is simulated time in ms, float):
   usable (block i's hash depends on blocks 0..i, and engines stop at the first miss)
   and where each of those blocks sits.
 - ``prefix_ready_ms(blocks, now_ms)``: when those blocks are all in HBM: blocks
-  already there are ready when their copy lands (a prefetch in flight counts), blocks
+  already there are ready when their copy lands (a promote in flight counts; a
+  write-back in flight does not delay a read: the faster copy serves it), blocks
   still below HBM (a promote that was refused) are streamed through at demand.
 - ``locate``, ``capacities``, ``occupancy``, ``health``, ``stats``.
 """
@@ -515,10 +516,15 @@ class SimulatedExecutor:
 
     def _move(self, block: Hashable, src: int, dst: int, now_ms: float) -> float:
         computing = self._ready_ms.get(block, 0.0) == COMPUTING
-        done = self._book(block, src, dst, now_ms, _PROMOTE if dst < src else _DEMOTE)
+        promote = dst < src
+        done = self._book(block, src, dst, now_ms, _PROMOTE if promote else _DEMOTE)
         del self._members[src][block]
         self._used[src] -= self.block_bytes
-        self._add(block, dst, COMPUTING if computing else done)
+        # A promote in flight delays a read of the block until it lands. A write-back
+        # (demote) does not: the faster copy serves reads until the slower one is
+        # written, so a backlog of write-backs never holds up a request.
+        ready = done if promote else max(now_ms, self._ready_ms.get(block, 0.0))
+        self._add(block, dst, COMPUTING if computing else ready)
         return done
 
     def _add(self, block: Hashable, t: int, ready_ms: float) -> None:
