@@ -126,6 +126,8 @@ PROFILES: dict[str, dict[str, Any]] = {
         "rag_document_tokens": (32_000, 120_000),
         "rag_mean_questions": 3.0,
         "max_prompt_tokens": 131_072,
+        # Long inputs, short answers (summaries, code edits): median 64 tokens.
+        "answer_median_tokens": 64.0,
     },
 }
 
