@@ -30,6 +30,10 @@ BENCHES: dict[str, tuple[str, str]] = {
         "benchmarks.replay_speed:replay_bench",
         "Single-tier replay block accesses/s per policy vs an exact LRU pass.",
     ),
+    "seed": (
+        "benchmarks.seed:bench_seed",
+        "The seed's R1 and R2/R3 figures beside the simulation of the same setting.",
+    ),
     "serve": (
         "benchmarks.sidecar:serve_bench",
         "Sidecar block accesses/s and event-to-decision latency vs LRU.",

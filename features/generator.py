@@ -88,6 +88,11 @@ class WorkloadParams:
     # learnable regularity used by tests; 0 = log-normal think times).
     fixed_return_gap_s: float = 0.0
     output_tokens_max: int = 4096
+    # Long context: when set, a chat's first context is uniform in these bounds
+    # (tokens) instead of log-normal; a session ends before a prompt would exceed
+    # max_prompt_tokens (0: no limit).
+    chat_first_context_tokens: tuple[int, int] | None = None
+    max_prompt_tokens: int = 0
 
 
 PROFILES: dict[str, dict[str, Any]] = {
@@ -103,6 +108,28 @@ PROFILES: dict[str, dict[str, Any]] = {
         "chat_mean_turns": 4.0,
         "num_system_prompts": 200,
         "system_prompt_zipf": 0.0,
+    },
+    # The seed's long-context setting: prompts of 32k-128k tokens, reused across the
+    # turns of a conversation (the context grows by answer + user turn, ~10 minutes
+    # apart) and across sessions reading the same long documents (600, Zipf 0.7).
+    # About half the blocks are reused, at a median distance of a few million tokens
+    # (HBM holds 1.9 M tokens of KV in the default profile, DRAM 3.9 M): reuse
+    # needs the external tiers.
+    "longctx": {
+        "mix": {"chat": 0.5, "rag": 0.5, "agent": 0.0, "scan": 0.0},
+        "session_rate_per_s": 0.1,
+        "num_system_prompts": 4,
+        "fewshot_probability": 0.0,
+        "chat_first_context_tokens": (32_000, 100_000),
+        "chat_mean_turns": 4.0,
+        "chat_think_median_s": 600.0,
+        "rag_num_documents": 600,
+        "rag_zipf": 0.7,
+        "rag_document_tokens": (32_000, 120_000),
+        "rag_mean_questions": 3.0,
+        "max_prompt_tokens": 131_072,
+        # Long inputs, short answers (summaries, code edits): median 64 tokens.
+        "answer_median_tokens": 64.0,
     },
 }
 
@@ -195,7 +222,11 @@ class _Model:
         if kind == "chat":
             if self.rng.random() < p.fewshot_probability:
                 context.append(self.fewshots[int(self.rng.integers(len(self.fewshots)))])
-            context.append(self._segment(self._lognormal(p.chat_first_context_median_tokens, 1.0)))
+            if p.chat_first_context_tokens is not None:
+                first = float(self._uniform(p.chat_first_context_tokens))
+            else:
+                first = self._lognormal(p.chat_first_context_median_tokens, 1.0)
+            context.append(self._segment(first))
             turns, think, append = (
                 self._turns(p.chat_mean_turns),
                 p.chat_think_median_s,
@@ -209,7 +240,10 @@ class _Model:
                 p.agent_tool_median_tokens,
             )
         t = float(start_ms)
+        limit = p.max_prompt_tokens
         for i in range(turns):
+            if limit and sum(tokens for _, tokens in context) > limit:
+                return
             answer = self._answer()
             yield _Request(int(t), order + i, list(context), answer, session)
             context.append(self._segment(answer))

@@ -48,6 +48,7 @@ from executor.decision import Decision
 from executor.kvhints import ack_status_of
 from executor.kvhints import decision_format as decision_format_named
 from executor.protocol import Executor, Outcome
+from executor.sim.executor import SimulatedExecutor
 from features.events import BlocksAccessed
 from serving.placement import NOWHERE, Placement
 from serving.planner import Move, MoveKind
@@ -184,7 +185,8 @@ class DecisionMaker:
     hot swap shows in the next decisions). ``on_store`` is told about ``store`` moves
     (blocks the engine computes into ``to_tier``); an executor standing in for the
     engine uses it: the decisions before a store are emitted first, so they make its
-    room. ``placement`` (the sidecar's) turns on ``net_moves`` and ``order_for_room``
+    room (``split_at_stores=False`` sends one batch per round instead: a sink that
+    applies a round atomically, with its stores, needs no split). ``placement`` (the sidecar's) turns on ``net_moves`` and ``order_for_room``
     with limits of its capacities + ``APPLY_HEADROOM_BLOCKS``; without it every move
     is sent, in the planner's order.
     """
@@ -198,8 +200,10 @@ class DecisionMaker:
         deadline_ms: int = 5_000,
         on_store: Callable[[int, str, int], None] | None = None,
         placement: Placement | None = None,
+        split_at_stores: bool = True,
     ) -> None:
         self.tier_names = list(tier_names)
+        self.split_at_stores = split_at_stores
         self.sink = sink
         self.model_info = model_info
         self.deadline_ms = deadline_ms
@@ -221,7 +225,7 @@ class DecisionMaker:
             limits = [c + APPLY_HEADROOM_BLOCKS for c in p.capacities]
             moves = order_for_room(net_moves(moves), counts, limits)
         # One batch per round; with an engine stand-in, one per stretch between stores.
-        decisions = self.make(origin, moves, now_ms, emit_before_store=True)
+        decisions = self.make(origin, moves, now_ms, emit_before_store=self.split_at_stores)
         if decisions:
             self.sink.emit(decisions)
 
@@ -354,6 +358,42 @@ class ExecutorSink:
 
     def close(self) -> None:
         self.executor.close()
+
+
+class SimulatedExecutorSink(ExecutorSink):
+    """``ExecutorSink`` for the simulation (``executor.sim.SimulatedExecutor``), as
+    replay drives it: the engine's stores of a round are held and applied together
+    with the round's decisions, atomically with respect to capacity
+    (``SimulatedExecutor.apply_batch``), and ``emit_at`` books a round at a given
+    simulated time (replay's no-prewarm baseline passes the time the engine schedules
+    the request)."""
+
+    def __init__(self, executor: SimulatedExecutor) -> None:
+        super().__init__(executor, block_size_bytes=executor.block_bytes)
+        self.sim = executor
+        self._stores: list[tuple[int, str, int]] = []
+
+    def place_store(self, block: int, tier: str, now_ms: int) -> None:
+        self._stores.append((block, tier, now_ms))
+
+    def emit(self, decisions: Sequence[Decision]) -> int:
+        return self.emit_at(decisions)
+
+    def emit_at(self, decisions: Sequence[Decision], now_ms: float | None = None) -> int:
+        """Apply a round (held stores first, then ``decisions``), each booked at
+        ``now_ms`` (default: its ``ts_ms``)."""
+        stores, self._stores = self._stores, []
+        outcomes = self.sim.apply_batch(decisions, stores=stores, now_ms=now_ms)
+        for status in self.sim.last_store_statuses:
+            self.outcomes[("store", status)] += 1
+        for d, outcome in zip(decisions, outcomes, strict=True):
+            self._count(d.action, outcome)
+        return len(decisions)
+
+    def flush(self) -> None:
+        """Stores not yet applied go now."""
+        if self._stores:
+            self.emit_at([])
 
 
 class CacheLayerSink:

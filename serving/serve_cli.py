@@ -374,6 +374,9 @@ class Service:
             prefetch=settings.prefetch,
         )
         self.sidecar.observe_score = self.metrics.scoring_seconds.observe
+        if settings.executor_endpoint.scheme == "sim":
+            # The simulated links' prefetch budget, asked by the planner (as in replay).
+            self.sidecar.prefetch_admit = self.executor.admit_prefetch
         self.models.attach(self.sidecar)
 
         sinks: list[DecisionSink] = []
@@ -470,7 +473,6 @@ class Service:
                     name: cap + APPLY_HEADROOM_BLOCKS
                     for name, cap in zip(s.tier_names, caps, strict=True)
                 },
-                on_full="refuse",
             )
             self.executor, self._store_bytes = sim, sim.block_bytes
             return s.tier_names, caps

@@ -181,28 +181,47 @@ def spread_ties(events: Sequence[BlocksAccessed]) -> list[BlocksAccessed]:
 # --- tiered replay with prefetch ---------------------------------------------------
 
 
-def offered_prefill_ms(
-    events: Sequence[BlocksAccessed], prefill_ms: Callable[[float], float]
-) -> float:
-    """Prefill time of every prompt token, as if nothing were cached."""
-    return sum(prefill_ms(_input_tokens(e)) for e in events)
-
-
 def _input_tokens(event: BlocksAccessed) -> int:
     if event.input_tokens is not None:
         return event.input_tokens
     return len(event.block_hashes) * event.block_size_tokens
 
 
+LOAD_WINDOW_REQUESTS = 100
+"""Open-loop load is defined over windows holding this many requests on average."""
+LOAD_QUANTILE = 0.9
+"""... and set so that this share of the windows offer at most the target load."""
+
+
 def time_scale_for_load(
-    events: Sequence[BlocksAccessed], prefill_ms: Callable[[float], float], load: float
+    events: Sequence[BlocksAccessed],
+    prefill_ms: Callable[[float], float],
+    load: float,
+    *,
+    window_requests: int = LOAD_WINDOW_REQUESTS,
+    quantile: float = LOAD_QUANTILE,
 ) -> float:
-    """The factor to stretch inter-arrival times by so that prefilling every token
-    (nothing cached) would keep one node busy ``load`` of the time."""
+    """The factor to stretch inter-arrival times by so that, with nothing cached, the
+    prefill work offered in a window of the trace keeps one node busy at most
+    ``load`` of that window's time, in ``quantile`` of the windows.
+
+    Windows, not the whole trace: a day-long bursty trace stretched to a mean load
+    puts its bursts far above capacity, and TTFT then measures the queue. Windows are
+    equal slices of the trace's time span holding ``window_requests`` requests on
+    average (empty ones are skipped)."""
     span = events[-1].ts_ms - events[0].ts_ms if len(events) > 1 else 0
     if span <= 0:
         return 1.0
-    return offered_prefill_ms(events, prefill_ms) / (span * load)
+    if not 0 < quantile <= 1:
+        raise ValueError(f"quantile must be in (0, 1], got {quantile}")
+    num_windows = max(1, len(events) // max(1, window_requests))
+    width_ms = span / num_windows
+    work = np.zeros(num_windows + 1)
+    t0 = events[0].ts_ms
+    for e in events:
+        work[int((e.ts_ms - t0) / width_ms)] += prefill_ms(_input_tokens(e))
+    busy = work[work > 0]
+    return float(np.quantile(busy, quantile)) / (width_ms * load)
 
 
 def rescale_time(events: Sequence[BlocksAccessed], factor: float) -> list[BlocksAccessed]:

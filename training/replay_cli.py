@@ -212,7 +212,23 @@ _common = [
         type=click.FloatRange(0.05, 2.0),
         default=0.9,
         show_default=True,
-        help="Offered prefill load with nothing cached; sets the time scale.",
+        help="Open loop: prefill load offered with nothing cached, in 90% of the "
+        "trace's windows (~100 requests each); sets the time scale.",
+    ),
+    click.option(
+        "--concurrency",
+        type=click.IntRange(1, 4096),
+        default=None,
+        help="Tiered mode: closed loop, N requests in flight (each client sends its next "
+        "request when the previous one ends, plus think time); default: open loop at "
+        "--load.",
+    ),
+    click.option(
+        "--think-ms",
+        type=click.FloatRange(0.0, 3_600_000.0),
+        default=0.0,
+        show_default=True,
+        help="Closed loop: mean think time between a client's requests (exponential, seeded).",
     ),
     click.option(
         "--modes",
@@ -264,11 +280,15 @@ def comparison_options(fn: Any) -> Any:
         train_fraction: float,
         profile: str | None,
         load: float,
+        concurrency: int | None,
+        think_ms: float,
         modes: str,
         no_peers: bool,
         **kwargs: Any,
     ) -> Any:
         config = _config(policies, capacities, train_fraction, profile, load, modes, no_peers)
+        config.concurrency = concurrency
+        config.think_ms = think_ms
         experiment = kwargs.get("experiment")
         if experiment is not None and experiment != "" and not experiment.strip():
             raise click.BadParameter("blank name; use '' to skip MLflow", param_hint="--experiment")

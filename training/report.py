@@ -7,9 +7,10 @@ sidecar loop for every policy and capacity:
 - single tier (demand caching): hit ratios of kvwarm's policies through the planner,
   exact LRU / Belady / Belady-with-bypass on the same block sequence, and
   libCacheSim's policies on the same sequence; share of the LRU-to-Belady gap closed.
-- tiered with prefetch: TTFT percentiles, throughput, per-tier hit ratios, bytes
-  moved, prefetch precision and timeliness, against "no prewarm" (LRU, loads booked
-  when the request is scheduled) and with the oracle as the upper reference.
+- tiered with prefetch (``tiered_rows``): TTFT percentiles, throughput, per-tier hit
+  ratios, bytes moved, prefetch precision and timeliness, against "no cache" (HBM
+  only) and "no prewarm" (LRU, loads booked when the request is scheduled), with the
+  oracle as the upper reference; open loop or closed loop (``concurrency``).
 
 Results are plain dicts (``ComparisonReport.to_dict``) so they go to JSON, MLflow and
 the README table unchanged.
@@ -51,6 +52,7 @@ log = logging.getLogger(__name__)
 LEARNED = ("lightgbm", "lstm")
 DEFAULT_POLICIES = ("lru", "lfu", "prefix_lru", "lightgbm", "lstm", "oracle")
 NO_PREWARM = "no_prewarm"
+NO_CACHE = "no_cache"
 
 Trainer = Callable[[str, Sequence[BlocksAccessed], float], Policy]
 """(policy name, training events, time scale) -> a trained policy. The events are the
@@ -66,7 +68,12 @@ class ComparisonConfig:
     modes: tuple[str, ...] = ("single", "tiered")
     profile: str | None = None
     load: float = 0.9
-    """Offered prefill load of one node if nothing were cached: sets the time scale."""
+    """Open loop: offered prefill load of one node if nothing were cached, in 90% of
+    the trace's windows (``training.replay.time_scale_for_load``): sets the time scale."""
+    concurrency: int | None = None
+    """Tiered mode: closed loop with this many requests in flight (None: open loop)."""
+    think_ms: float = 0.0
+    """Closed loop: mean think time between a client's requests (exponential)."""
     peers: bool = True
     eviction_sample: int = 64
     seed: int = 0
@@ -216,39 +223,70 @@ def run_comparison(
                 profile=profile,
                 hbm_capacity_blocks=capacity,
                 planner=planner,
+                concurrency=config.concurrency,
+                think_ms=config.think_ms,
+                seed=config.seed,
             )
-            results: list[TieredResult] = [
-                replay_tiered(
-                    _fresh("lru", trained, future, warm, train),
+            report.tiered.extend(
+                tiered_rows(
+                    lambda name: _fresh(name, trained, future, warm, train),
+                    config.policies,
                     test,
                     setup,
-                    prewarm=False,
-                    speculative=False,
-                    label=NO_PREWARM,
+                    fraction=fraction,
+                    ttft=report.tiered_ttft,
                 )
-            ]
-            for name in config.policies:
-                results.append(
-                    replay_tiered(_fresh(name, trained, future, warm, train), test, setup)
-                )
-            base = results[0]
-            base_p50 = base.ttft_percentiles()["p50"]
-            for r in results:
-                row = r.to_dict()
-                row["capacity"] = fraction
-                row["hbm_capacity_blocks"] = capacity
-                row["ttft_p50_change"] = (
-                    row["ttft_ms"]["p50"] / base_p50 - 1 if base_p50 else float("nan")
-                )
-                row["throughput_change"] = (
-                    r.throughput_rps / base.throughput_rps - 1
-                    if base.throughput_rps
-                    else float("nan")
-                )
-                report.tiered.append(row)
-                report.tiered_ttft[f"{r.policy}@{fraction:g}"] = r.ttft_ms
+            )
     report.seconds = time.perf_counter() - started
     return report
+
+
+def tiered_rows(
+    make: Callable[[str], Policy],
+    policies: Sequence[str],
+    events: Sequence[BlocksAccessed],
+    setup: TieredSetup,
+    *,
+    fraction: float = 0.0,
+    ttft: dict[str, Any] | None = None,
+) -> list[dict[str, Any]]:
+    """The tiered table for one setting: the two baselines (``no_cache``: HBM only;
+    ``no_prewarm``: LRU over every tier, loads at scheduling) and every policy with
+    prewarming, each row with its TTFT and throughput change against both baselines.
+    ``make(name)`` returns a fresh policy that has observed the training part."""
+    results: list[TieredResult] = [
+        replay_tiered(
+            make("lru"),
+            events,
+            setup,
+            prewarm=True,
+            speculative=False,
+            external=False,
+            label=NO_CACHE,
+        ),
+        replay_tiered(
+            make("lru"), events, setup, prewarm=False, speculative=False, label=NO_PREWARM
+        ),
+    ]
+    for name in policies:
+        results.append(replay_tiered(make(name), events, setup))
+    rows: list[dict[str, Any]] = []
+    for r in results:
+        row = r.to_dict()
+        row["capacity"] = fraction
+        row["hbm_capacity_blocks"] = setup.hbm_capacity_blocks
+        for base, suffix in ((results[1], ""), (results[0], "_vs_no_cache")):
+            p50 = base.ttft_percentiles()["p50"]
+            row[f"ttft_p50_change{suffix}"] = (
+                r.ttft_percentiles()["p50"] / p50 - 1 if p50 else float("nan")
+            )
+            row[f"throughput_change{suffix}"] = (
+                r.throughput_rps / base.throughput_rps - 1 if base.throughput_rps else float("nan")
+            )
+        rows.append(row)
+        if ttft is not None:
+            ttft[f"{r.policy}@{fraction:g}"] = r.ttft_ms
+    return rows
 
 
 def _saved_size_bytes(policy: Policy) -> int:
@@ -319,8 +357,8 @@ def format_tiered(report: ComparisonReport) -> str:
     if not report.tiered:
         return ""
     lines = [
-        "Tiered with prefetch: TTFT (ms) and throughput vs no prewarm",
-        f"{'capacity':>8} {'policy':>11} {'p50':>7} {'p90':>7} {'p99':>7} {'p50 chg':>8} {'req/s':>6} {'thr chg':>8} {'hbm hit':>8} {'dram hit':>8} {'pf prec':>7}",
+        "Tiered with prefetch: TTFT (ms) and throughput vs no prewarm (and vs no external cache)",
+        f"{'capacity':>8} {'policy':>11} {'p50':>7} {'p90':>7} {'p99':>7} {'p50 chg':>8} {'req/s':>6} {'thr chg':>8} {'p50 v nc':>8} {'thr v nc':>8} {'hbm hit':>8} {'dram hit':>8} {'pf prec':>7}",
     ]
     for row in report.tiered:
         t = row["ttft_ms"]
@@ -329,6 +367,8 @@ def format_tiered(report: ComparisonReport) -> str:
             f"{row['capacity'] * 100:>7g}% {row['policy']:>11} {t['p50']:>7.0f} {t['p90']:>7.0f} {t['p99']:>7.0f} "
             f"{fmt_number(_pct(row['ttft_p50_change']), '>+7.1f')}% {fmt_number(row['throughput_rps'], '>6.2f')} "
             f"{fmt_number(_pct(row['throughput_change']), '>+7.1f')}% "
+            f"{fmt_number(_pct(row['ttft_p50_change_vs_no_cache']), '>+7.1f')}% "
+            f"{fmt_number(_pct(row['throughput_change_vs_no_cache']), '>+7.1f')}% "
             f"{hits.get('hbm', 0):>8.3f} {hits.get('dram', 0):>8.3f} {fmt_number(row['prefetch_precision'], '>7.2f')}"
         )
     return "\n".join(lines)

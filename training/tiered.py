@@ -1,46 +1,56 @@
-"""Tiered replay with prefetch: TTFT and throughput under the profile's timing model.
+"""Tiered replay: a trace through the serving path into the one simulation.
 
-The sidecar loop runs unchanged (simulated clock = event time). A hook turns its moves
-into transfers booked on the profile's channels (``executor.sim``), and a prefill
-model turns each request into a time to first token:
+Nothing here models time. Each request goes, as in ``serve --executor sim:``,
+Sidecar -> planner -> ``DecisionMaker`` (decision ids) -> ``ExecutorSink`` ->
+``executor.sim.SimulatedExecutor``, and ``executor.sim.run_requests`` drives the
+requests through the simulated engine (open- or closed-loop) and measures TTFT and
+throughput. This module builds those parts, converts events to simulated requests
+and sums the results.
 
-- A request arrives at ``t_a`` and waits for a free prefill engine (``t_s``).
-- Its blocks sitting in a lower tier are promoted to HBM. With prewarming (kvwarm)
-  the planner books those moves at arrival, so they overlap the queueing; without
-  (the "no prewarm" baseline of today's engines) they are booked at ``t_s``. Blocks a
-  speculative prefetch already started are ready when that transfer completes.
-- Blocks found nowhere are recomputed: ``prefill_ms(tokens)``. As in vLLM and SGLang
-  prefix caching, only the longest cached prefix is reused: every token after the
-  first block found nowhere is recomputed.
-- ``TTFT = ready + prefill - t_a``, where ``ready`` is when the last cached block is
-  in HBM (not before ``t_s``). The engine is busy from ``t_s`` until then.
-- Demotions (write-backs) and speculative promotions share each link's bandwidth
-  with demand loads; prefetch is capped by the profile's ``prefetch_share``.
+Baselines are the same path with less in it:
 
-Throughput is the capacity the run shows: requests per second of engine busy time
-(``num_requests / sum(service)``), i.e. what one node sustains at full load with that
-policy; and prompt tokens per second likewise.
+- ``no_cache``: HBM only, LRU: the engine's own prefix cache, no external tier (the
+  seed's "no external cache").
+- ``no_prewarm``: every tier, LRU, no speculative prefetch, and each request's
+  decisions held until the engine schedules it, so its loads start then (today's
+  engines load at scheduling time); with prewarming they are applied at arrival and
+  overlap the queueing.
+
+Throughput: requests (and prompt + output tokens) per second of engine busy time,
+prefill and decode both counted.
 """
 
 from __future__ import annotations
 
-import heapq
+import dataclasses
+import logging
 import time
-from collections.abc import Callable, Sequence
+from collections import Counter
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
+from executor.decision import Decision
+from executor.sim import RunResult, SimRequest, SimulatedExecutor, run_requests
 from executor.sim.profile import Profile
 from features.events import BlocksAccessed
 from predictor.base import Policy
 from serving import defaults
+from serving.decisions import DecisionMaker, SimulatedExecutorSink
 from serving.loop import Sidecar
-from serving.placement import NOWHERE, Placement
+from serving.placement import Placement
 from serving.planner import Move, Planner, PlannerParams
 
+log = logging.getLogger(__name__)
+
 Progress = Callable[[int], None]
+DEFAULT_OUTPUT_TOKENS = 256
+"""Output length of a request whose trace row has none."""
+NO_DEADLINE_MS = 10**12
+QUEUEING_DOMINATES = 0.5
+"""Warn when the median request spends more than this share of its TTFT queued."""
 
 
 @dataclass(frozen=True)
@@ -50,15 +60,20 @@ class TieredSetup:
     profile: Profile
     hbm_capacity_blocks: int
     block_size_tokens: int = 512
-    num_engines: int = 1
     prefetch_interval_ms: int = defaults.PREFETCH_INTERVAL_MS
     recent_requests: int = defaults.RECENT_REQUESTS
     planner: PlannerParams = field(default_factory=PlannerParams)
+    concurrency: int | None = None
+    """Closed loop with this many clients; None: open loop at the trace's times."""
+    think_ms: float = 0.0
+    """Closed loop: mean think time (exponential, seeded) between a client's requests."""
+    seed: int = 0
 
-    def capacities_blocks(self) -> list[int]:
+    def capacities_blocks(self, tiers: Sequence[str] | None = None) -> list[int]:
         block_bytes = self.profile.model.block_bytes(self.block_size_tokens)
+        names = list(tiers or self.profile.tier_names)
         caps = [self.hbm_capacity_blocks]
-        caps += [max(1, t.capacity_bytes // block_bytes) for t in self.profile.tiers[1:]]
+        caps += [max(1, self.profile.tier(t).capacity_bytes // block_bytes) for t in names[1:]]
         return caps
 
 
@@ -68,29 +83,36 @@ class TieredResult:
     prewarm: bool
     num_requests: int
     ttft_ms: np.ndarray
-    service_ms_total: float
+    queue_ms: np.ndarray
+    busy_ms: float
     prompt_tokens: int
+    output_tokens: int
+    computed_tokens: int
     hits_by_tier: dict[str, int]
     token_hits_by_tier: dict[str, int]
     accesses: int
     bytes_read_by_tier: dict[str, int]
     bytes_written_by_tier: dict[str, int]
+    concurrency: int | None = None
+    max_in_flight: int = 0
+    makespan_ms: float = 0.0
     prefetched_blocks: int = 0
     prefetch_used: int = 0
     prefetch_timely: int = 0
     prefetch_wasted_bytes: int = 0
     prefetch_refused: int = 0
+    decision_outcomes: dict[str, int] = field(default_factory=dict)
+    """``"action/status"`` -> count of what the executor did with each decision."""
+    placement_mismatches: int = 0
+    """Blocks where the planner's view and the executor disagree at the end (0 when
+    every decision was applied as planned)."""
     seconds: float = 0.0
     moves_by_kind: dict[str, int] = field(default_factory=dict)
 
     def ttft_percentiles(self) -> dict[str, float]:
         if self.ttft_ms.size == 0:
-            return {
-                "p50": float("nan"),
-                "p90": float("nan"),
-                "p99": float("nan"),
-                "mean": float("nan"),
-            }
+            nan = float("nan")
+            return {"p50": nan, "p90": nan, "p99": nan, "mean": nan}
         p50, p90, p99 = np.percentile(self.ttft_ms, [50, 90, 99])
         return {
             "p50": float(p50),
@@ -100,20 +122,27 @@ class TieredResult:
         }
 
     @property
+    def service_ms_total(self) -> float:
+        """Engine busy time (prefill and decode)."""
+        return self.busy_ms
+
+    @property
     def throughput_rps(self) -> float:
-        return (
-            self.num_requests / (self.service_ms_total / 1000.0)
-            if self.service_ms_total > 0
-            else float("inf")
-        )
+        return self.num_requests / (self.busy_ms / 1000.0) if self.busy_ms > 0 else float("inf")
 
     @property
     def throughput_tokens_per_s(self) -> float:
-        return (
-            self.prompt_tokens / (self.service_ms_total / 1000.0)
-            if self.service_ms_total > 0
-            else float("inf")
-        )
+        """Prompt and output tokens served per second of engine busy time."""
+        tokens = self.prompt_tokens + self.output_tokens
+        return tokens / (self.busy_ms / 1000.0) if self.busy_ms > 0 else float("inf")
+
+    @property
+    def queueing_share(self) -> float:
+        """Median over requests of queued time / TTFT."""
+        if self.ttft_ms.size == 0:
+            return float("nan")
+        share = self.queue_ms / np.maximum(self.ttft_ms, 1e-9)
+        return float(np.median(share))
 
     @property
     def prefetch_precision(self) -> float:
@@ -133,10 +162,18 @@ class TieredResult:
             "policy": self.policy,
             "prewarm": self.prewarm,
             "num_requests": self.num_requests,
+            "concurrency": self.concurrency,
             "ttft_ms": self.ttft_percentiles(),
+            "queueing_share": self.queueing_share,
             "throughput_rps": self.throughput_rps,
             "throughput_tokens_per_s": self.throughput_tokens_per_s,
+            "busy_s": self.busy_ms / 1000.0,
+            "makespan_s": self.makespan_ms / 1000.0,
+            "max_in_flight": self.max_in_flight,
             "accesses": self.accesses,
+            "prompt_tokens": self.prompt_tokens,
+            "output_tokens": self.output_tokens,
+            "computed_tokens": self.computed_tokens,
             "hit_ratio_by_tier": {t: self.hit_ratio(t) for t in self.hits_by_tier},
             "token_hit_ratio_by_tier": {
                 t: v / self.prompt_tokens if self.prompt_tokens else 0.0
@@ -149,50 +186,67 @@ class TieredResult:
             "prefetch_timeliness": self.prefetch_timeliness,
             "prefetch_wasted_bytes": self.prefetch_wasted_bytes,
             "prefetch_refused": self.prefetch_refused,
+            "decision_outcomes": dict(self.decision_outcomes),
+            "placement_mismatches": self.placement_mismatches,
             "seconds": self.seconds,
             "moves_by_kind": dict(self.moves_by_kind),
         }
 
 
-class _Timing:
-    """Books moves on the profile's channels and tracks when blocks reach HBM."""
+def to_sim_requests(
+    events: Sequence[BlocksAccessed], *, think_ms: float = 0.0, seed: int = 0
+) -> list[SimRequest]:
+    """Events as simulated requests: distinct blocks in prefix order, prompt length
+    (whole blocks when the trace has none), output length (``DEFAULT_OUTPUT_TOKENS``
+    when it has none) and an exponential think time of mean ``think_ms``."""
+    rng = np.random.Generator(np.random.PCG64(seed))
+    thinks = rng.exponential(think_ms, len(events)) if think_ms > 0 else np.zeros(len(events))
+    out: list[SimRequest] = []
+    for event, think in zip(events, thinks.tolist(), strict=True):
+        blocks = tuple(dict.fromkeys(event.block_hashes))
+        prompt = event.input_tokens or len(blocks) * event.block_size_tokens
+        out.append(
+            SimRequest(
+                arrival_ms=float(event.ts_ms),
+                blocks=blocks,
+                prompt_tokens=max(1, prompt),
+                output_tokens=max(1, event.output_tokens or DEFAULT_OUTPUT_TOKENS),
+                think_ms=think,
+            )
+        )
+    return out
 
-    def __init__(self, setup: TieredSetup) -> None:
-        self.names = list(setup.profile.tier_names)
-        self.channels = [t.channels() for t in setup.profile.tiers]
-        self.block_bytes = setup.profile.model.block_bytes(setup.block_size_tokens)
-        self.read_bytes = dict.fromkeys(self.names, 0)
-        self.written_bytes = dict.fromkeys(self.names, 0)
-        self.ready_at: dict[int, float] = {}  # block -> when its move into HBM completes
-        self.refused = 0  # speculative moves refused by a prefetch budget
 
-    def admit(self, from_tier: int, to_tier: int, now_ms: int) -> bool:
-        """The prefetch budget of both links (read side of the source, write side of the
-        destination): take room for one block if both have it."""
-        read, write = self.channels[from_tier].read, self.channels[to_tier].write
-        size = self.block_bytes
-        if not (read.admits_prefetch(now_ms, size) and write.admits_prefetch(now_ms, size)):
-            self.refused += 1
-            return False
-        read.charge_prefetch(now_ms, size)
-        write.charge_prefetch(now_ms, size)
-        return True
+class _HoldUntilScheduled:
+    """The sink between ``DecisionMaker`` and ``SimulatedExecutorSink`` in the no-prewarm
+    baseline: a request's stores and decisions wait until the engine schedules it,
+    then reach the executor booked at that time (made with no deadline)."""
 
-    def book(self, move: Move, at_ms: float) -> float:
-        """Book a move's read and write; returns when it completes. Stores (computed
-        blocks) and evictions move no bytes."""
-        done = at_ms
-        if move.from_tier != NOWHERE and move.to_tier != NOWHERE:
-            size = self.block_bytes
-            done = max(done, self.channels[move.from_tier].read.book(at_ms, size))
-            done = max(done, self.channels[move.to_tier].write.book(at_ms, size))
-            self.read_bytes[self.names[move.from_tier]] += size
-            self.written_bytes[self.names[move.to_tier]] += size
-        if move.to_tier == 0:
-            self.ready_at[move.block] = done
-        else:
-            self.ready_at.pop(move.block, None)
-        return done
+    def __init__(self, inner: SimulatedExecutorSink) -> None:
+        self.inner = inner
+        self.current = -1
+        self.held: dict[int, list[Any]] = {}
+
+    def place_store(self, block: int, tier: str, now_ms: int) -> None:
+        self.held.setdefault(self.current, []).append(("store", block, tier))
+
+    def emit(self, decisions: Sequence[Decision]) -> int:
+        self.held.setdefault(self.current, []).append(("decisions", list(decisions)))
+        return len(decisions)
+
+    def release(self, index: int, now_ms: float) -> None:
+        for item in self.held.pop(index, []):
+            if item[0] == "store":
+                self.inner.place_store(item[1], item[2], int(now_ms))
+            else:
+                self.inner.emit_at(item[1], now_ms)
+        self.inner.emit_at([], now_ms)
+
+    def flush(self) -> None:
+        """Held items leave only on ``release``."""
+
+    def close(self) -> None:
+        self.inner.close()
 
 
 def replay_tiered(
@@ -202,12 +256,30 @@ def replay_tiered(
     *,
     prewarm: bool = True,
     speculative: bool = True,
+    external: bool = True,
     label: str | None = None,
     progress: Progress | None = None,
+    preload: Mapping[str, Sequence[int]] | None = None,
 ) -> TieredResult:
-    """Replay ``events`` through the sidecar loop over the profile's tiers."""
-    names = list(setup.profile.tier_names)
-    placement = Placement(names, setup.capacities_blocks())
+    """Replay ``events`` through the sidecar and the one simulation. ``external``
+    False keeps only HBM (no external cache tier). ``preload``: tier -> blocks
+    already there at the start (in the planner's view and the executor alike), as far
+    as the tier has room."""
+    names = list(setup.profile.tier_names) if external else ["hbm"]
+    caps = setup.capacities_blocks(names)
+    executor = SimulatedExecutor(
+        setup.profile,
+        tiers=names,
+        capacity_blocks=dict(zip(names, caps, strict=True)),
+        block_size_tokens=setup.block_size_tokens,
+    )
+    placement = Placement(names, caps)
+    for tier, blocks in (preload or {}).items():
+        t = names.index(tier)
+        for block in blocks:
+            if placement.tier_of(block) < 0 and placement.count(t) < caps[t]:
+                placement.add(block, t, 0)
+                executor.place(block, tier, now_ms=0.0)
     sidecar = Sidecar(
         policy,
         Planner(setup.planner),
@@ -217,110 +289,99 @@ def replay_tiered(
         prefetch=speculative,
         allow_future=True,
     )
-    timing = _Timing(setup)
-    model = setup.profile.model
-    engines = [0.0] * setup.num_engines
-    ttft = np.zeros(len(events), dtype=np.float64)
-    hits = dict.fromkeys(names, 0)
-    token_hits = dict.fromkeys(names, 0)
-    prefetched: dict[int, float] = {}  # block -> when speculatively promoted
-    counters = {"prefetched": 0, "used": 0, "timely": 0, "wasted": 0}
-    demand: list[Move] = []  # this request's promotions, booked once its start is known
-    service_total = 0.0
-    prompt_tokens = 0
-    accesses = 0
+    sidecar.prefetch_admit = executor.admit_prefetch
+    executor_sink = SimulatedExecutorSink(executor)
+    hold = None if prewarm else _HoldUntilScheduled(executor_sink)
+    sink: Any = executor_sink if hold is None else hold
+    maker = DecisionMaker(
+        names,
+        sink,
+        lambda: (policy.name, "replay"),
+        # Held decisions wait for the engine as long as it takes: no deadline then.
+        deadline_ms=setup.prefetch_interval_ms * 5 if hold is None else NO_DEADLINE_MS,
+        on_store=sink.place_store,
+        split_at_stores=False,  # the simulated sink applies a round atomically
+    )
+    prefetched: dict[int, float] = {}  # block -> when speculatively promoted to HBM
+    counters = Counter[str]()
 
     def on_moves(event: BlocksAccessed | None, moves: list[Move], now_ms: int) -> None:
         for m in moves:
-            if m.kind == "demand":
-                demand.append(m)  # booked below, at arrival or at start
-            elif m.kind == "prefetch":
-                timing.book(m, now_ms)
-                if m.to_tier == 0:
-                    prefetched[m.block] = now_ms
-                    counters["prefetched"] += 1
-            elif m.kind in ("demote", "evict", "bypass"):
-                if m.block in prefetched and m.from_tier == 0:
-                    del prefetched[m.block]
-                    counters["wasted"] += timing.block_bytes
-                timing.book(m, now_ms)  # write-back traffic; evictions move nothing
+            if m.kind == "prefetch" and m.to_tier == 0:
+                prefetched[m.block] = now_ms
+                counters["prefetched"] += 1
+            elif m.from_tier == 0 and m.block in prefetched:
+                del prefetched[m.block]
+                counters["wasted"] += executor.block_bytes
 
     sidecar.hooks.append(on_moves)
-    sidecar.prefetch_admit = timing.admit
-    t_wall = time.perf_counter()
-    for i, event in enumerate(events):
-        t_a = float(event.ts_ms)
-        blocks = list(dict.fromkeys(event.block_hashes))
-        tiers = placement.tiers_of(blocks)
-        n_tokens = _tokens_per_block(event, len(blocks))
-        prompt_tokens += sum(n_tokens)
-        accesses += len(blocks)
-        for block, tier, tok in zip(blocks, tiers, n_tokens, strict=True):
-            if tier != NOWHERE:
-                hits[names[tier]] += 1
-                token_hits[names[tier]] += tok
+    sidecar.hooks.append(maker)
+    requests = to_sim_requests(events, think_ms=setup.think_ms, seed=setup.seed)
+
+    def on_arrival(i: int, now_ms: float) -> None:
+        event = events[i]
+        at = int(now_ms)
+        if event.ts_ms != at:
+            event = dataclasses.replace(event, ts_ms=at)
+        for block in requests[i].blocks:
             if block in prefetched:
                 counters["used"] += 1
-                if timing.ready_at.get(block, 0.0) <= t_a:
+                ready = executor.ready_at_ms(block)
+                if ready is not None and ready <= now_ms:
                     counters["timely"] += 1
                 del prefetched[block]
-        demand.clear()
+        if hold is not None:
+            hold.current = i
         sidecar.handle(event)
-        # The engine that frees first takes the request.
-        free_at = heapq.heappop(engines)
-        t_s = max(t_a, free_at)
-        book_at = t_a if prewarm else t_s
-        # Prefix caching: an engine reuses the longest cached prefix and recomputes
-        # every token after the first block found nowhere, cached or not.
-        first_miss = tiers.index(NOWHERE) if NOWHERE in tiers else len(tiers)
-        used = set(blocks[:first_miss])
-        ready = t_s
-        for m in demand:
-            done = timing.book(m, book_at)
-            if m.block in used:
-                ready = max(ready, done)
-        for block in blocks[:first_miss]:
-            ready = max(ready, timing.ready_at.get(block, 0.0))
-        missing_tokens = sum(n_tokens[first_miss:])
-        finish = ready + model.prefill_ms(missing_tokens)
-        heapq.heappush(engines, finish)
-        service_total += finish - t_s
-        ttft[i] = finish - t_a
-        for block in blocks:
-            timing.ready_at.pop(block, None)  # resident and loaded now
-        if progress is not None and i % 256 == 255:
-            progress(256)
-    if progress is not None:
-        progress(len(events) % 256)
-    return TieredResult(
+        executor_sink.flush()
+
+    t_wall = time.perf_counter()
+    run: RunResult = run_requests(
+        requests,
+        executor,
+        on_arrival=on_arrival,
+        release=hold.release if hold is not None else None,
+        concurrency=setup.concurrency,
+        progress=progress,
+    )
+    stats = executor.stats()
+    mismatches = sum(
+        executor.locate(b) != tier for t, tier in enumerate(names) for b in placement.members(t)
+    ) + abs(len(placement) - sum(executor.num_blocks(t) for t in names))
+    result = TieredResult(
         policy=label or policy.name,
         prewarm=prewarm,
         num_requests=len(events),
-        ttft_ms=ttft,
-        service_ms_total=service_total,
-        prompt_tokens=prompt_tokens,
-        hits_by_tier=hits,
-        token_hits_by_tier=token_hits,
-        accesses=accesses,
-        bytes_read_by_tier=timing.read_bytes,
-        bytes_written_by_tier=timing.written_bytes,
+        ttft_ms=run.ttft_ms,
+        queue_ms=run.queue_ms,
+        busy_ms=run.busy_ms,
+        prompt_tokens=run.prompt_tokens,
+        output_tokens=run.output_tokens,
+        computed_tokens=run.computed_tokens,
+        hits_by_tier=dict(zip(names, run.hit_blocks_by_tier, strict=True)),
+        token_hits_by_tier=dict(zip(names, run.hit_tokens_by_tier, strict=True)),
+        accesses=run.accesses,
+        bytes_read_by_tier={t: sum(v.values()) for t, v in stats.bytes_read.items()},
+        bytes_written_by_tier={t: sum(v.values()) for t, v in stats.bytes_written.items()},
+        concurrency=setup.concurrency,
+        max_in_flight=run.max_in_flight,
+        makespan_ms=run.makespan_ms,
         prefetched_blocks=counters["prefetched"],
         prefetch_used=counters["used"],
         prefetch_timely=counters["timely"],
         prefetch_wasted_bytes=counters["wasted"],
-        prefetch_refused=timing.refused,
+        prefetch_refused=stats.num_over_budget,
+        decision_outcomes={f"{a}/{s}": n for (a, s), n in executor_sink.outcomes.items()},
+        placement_mismatches=mismatches,
         seconds=time.perf_counter() - t_wall,
         moves_by_kind=dict(sidecar.stats.moves_by_kind),
     )
-
-
-def _tokens_per_block(event: BlocksAccessed, num_blocks: int) -> list[int]:
-    """Tokens in each block: full blocks, and the prompt's remainder in the last."""
-    size = event.block_size_tokens
-    if num_blocks == 0:
-        return []
-    total = event.input_tokens if event.input_tokens is not None else num_blocks * size
-    last = total - size * (num_blocks - 1)
-    if not 0 < last <= size:
-        last = size
-    return [size] * (num_blocks - 1) + [last]
+    if result.num_requests and result.queueing_share > QUEUEING_DOMINATES:
+        log.warning(
+            "%s: queueing is %.0f%% of the median request's TTFT: the load is above what "
+            "one node serves, so TTFT measures the queue more than the cache; lower --load "
+            "or --concurrency",
+            result.policy,
+            100 * result.queueing_share,
+        )
+    return result

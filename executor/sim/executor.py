@@ -1,88 +1,67 @@
-"""``SimulatedExecutor``: the block-level executor replay drives, on simulated time.
+"""``SimulatedExecutor``: the tiers of the one simulation, on simulated time.
 
 It keeps where every block is (one tier per block: moves are exclusive, like the real
-executor's), when its copy there becomes usable, per-tier capacity and LRU order,
-and books every transfer on the timing model of ``executor.sim.timing``. No
-payloads, no sleeping, O(1) work per block (O(log parallelism) per transfer). Not
-thread-safe: one replay drives one instance.
+executor's), when its copy there becomes usable, and per-tier occupancy, and books
+every transfer on the timing model of ``executor.sim.timing``. No payloads, no
+sleeping, O(1) work per block (O(log parallelism) per transfer). Not thread-safe: one
+replay (or one ``serve --executor sim:``) drives one instance.
 
-Replay-facing calls (``now_ms`` is simulated time in ms, float):
+It never chooses a victim: the planner is the only component that decides what
+leaves a tier. A move or store that does not fit is refused (a clear outcome).
 
-- ``place(block, tier, now_ms=..., size_bytes=None) -> bool``: put a block in a tier
-  at no transfer cost (initial state, or KV the engine just computed).
-- ``evict(block, tier=None) -> bool``: drop it (a pinned block stays).
-- ``schedule_transfer(block, from_tier, to_tier, now_ms, kind="prefetch") -> float | None``:
-  move it; returns when it is usable at ``to_tier``, or None when refused: no room
-  (``on_full="refuse"``, or everything there pinned) or, for ``kind="prefetch"``, the
-  prefetch budget of a channel on the way is spent.
-- ``load_for_request(blocks, now_ms, num_tokens=None) -> RequestLoad``: bring a
-  request's prefix-ordered blocks into HBM (demand transfers from wherever they
-  are), recompute the rest, and say when the request's KV is complete.
-- ``apply_one(decision, now_ms=None) -> Outcome``: the same ``Decision`` the real
-  executor takes (idempotent by decision id, tolerant of stale views).
-- The ``executor.protocol.Executor`` seam: ``apply(decisions)`` (each at its
-  ``ts_ms``), ``locate``, ``capacities``, ``occupancy``, ``health``, ``store``, ``close``.
-  Behind that seam, build it with ``on_full="refuse"``: the planner alone picks victims.
-- ``stats() -> SimStats``: bytes moved per tier and kind, hits, misses, prefill.
+Primitives (``now_ms`` is simulated time in ms, float):
 
-Modelling choices (each a constructor argument where it is a choice):
-
-- Prefix semantics: a request can use cached blocks only up to its first missing
-  block (block i's hash depends on blocks 0..i, and engines stop at the first miss);
-  every block after it is recomputed even if a copy sits in some tier.
-- ``ready_ms`` = max(time the cached prefix is in HBM, time the compute is free when
-  ``serialize_prefill``) + prefill time of the missing tokens. The prefill of the
-  missing tokens waits for the cached prefix (its attention reads that KV).
-  ``serialize_prefill=True`` queues prefills on the node's one compute resource, so
-  queueing delay is part of ``ready_ms``; set it False if replay models queueing.
-- Making room (``on_full``): ``"demote"`` moves the least recently used unpinned
-  blocks of a full tier one tier down (booked as ``kind="demote"`` traffic, recursively;
-  out of the last tier they are dropped); ``"evict"`` drops them; ``"refuse"`` refuses
-  the move. Space is freed at booking time, not when the demotion completes.
-- A block whose transfer is in flight is already counted at its destination; reading
-  it waits until it arrives (a demand for a block being prefetched waits for the
-  prefetch, which is how partial prefetch benefit shows up).
+- ``apply_batch(decisions, stores=()) -> list[Outcome]``: the planner's decisions
+  for one round, plus the blocks the engine computed (``stores``: (block, tier,
+  now_ms)), applied atomically with respect to capacity: a batch may swap blocks
+  between two full tiers, and capacity holds at the end of every batch. When it
+  would not, the latest moves into the over-full tier are refused ("no room") until
+  it fits. ``apply(decision)`` is a batch of one. Idempotent by decision id; stale
+  decisions (block elsewhere, deadline passed) are answered stale or expired with the reason.
+- ``admit_prefetch(from_tier, to_tier, now_ms) -> bool``: the prefetch bandwidth
+  budget of both links (the planner asks before it decides a speculative promote;
+  a True answer takes the room). Applying a decision never charges it again.
+- ``place(block, tier, now_ms=..., computing=False)``: initial contents (no transfer);
+  ``computing=True`` marks KV the engine is still computing (not usable until
+  ``mark_computed``).
+- ``cached_prefix(blocks) -> (first_miss, tiers)``: how far a request's prefix is
+  usable (block i's hash depends on blocks 0..i, and engines stop at the first miss)
+  and where each of those blocks sits.
+- ``prefix_ready_ms(blocks, now_ms)``: when those blocks are all in HBM: blocks
+  already there are ready when their copy lands (a promote in flight counts; a
+  write-back in flight does not delay a read: the faster copy serves it), blocks
+  still below HBM (a promote that was refused) are streamed through at demand.
+- ``locate``, ``capacities``, ``occupancy``, ``health``, ``stats``.
 """
 
 from __future__ import annotations
 
-from collections import OrderedDict
+import math
 from collections.abc import Hashable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Literal
 
 from executor.decision import Decision
 from executor.names import TIER_RANK, check_tier_name
-from executor.protocol import Outcome, OutcomeStatus, TierSpace
+from executor.protocol import Outcome, TierSpace
 from executor.sim.clock import SimClock
 from executor.sim.profile import Profile, load_profile
 
-Kind = Literal["demand", "prefetch", "demote"]
-KINDS: tuple[str, ...] = ("demand", "prefetch", "demote")
-_DEMAND, _PREFETCH, _DEMOTE = 0, 1, 2
-OnFull = Literal["demote", "evict", "refuse"]
+Kind = Literal["promote", "demote", "stream"]
+KINDS: tuple[str, ...] = ("promote", "demote", "stream")
+"""Transfer kinds in the stats: decided moves up or down, and demand reads of a block
+streamed to HBM for one request without moving it (its promote was refused)."""
+_PROMOTE, _DEMOTE, _STREAM = 0, 1, 2
+COMPUTING = math.inf
+"""``ready_ms`` of a block whose KV the engine is still computing."""
+
+Store = tuple[Hashable, str, float]
+"""(block, tier, now_ms): the engine computed a block and keeps it in that tier."""
 
 
 class SimulationError(ValueError):
     """A call does not match the simulated state (e.g. moving a block that is not
-    cached). ``apply`` never raises it: it reports a skipped outcome instead."""
-
-
-@dataclass(frozen=True, slots=True)
-class RequestLoad:
-    """What ``load_for_request`` found and when the request's KV is complete in HBM."""
-
-    ready_ms: float
-    """All of the request's KV in HBM: cached prefix loaded and the rest prefilled."""
-    load_ready_ms: float
-    """The cached prefix is in HBM (equals now_ms when nothing had to move)."""
-    prefill_start_ms: float
-    prefill_ms: float
-    num_hit_blocks: tuple[int, ...]
-    """Blocks served from cache, per tier in ``tier_names`` order."""
-    num_missing_blocks: int
-    """Blocks recomputed: not cached, or after the first miss."""
-    num_prefill_tokens: int
+    cached). ``apply_batch`` never raises it: it reports a refused or stale outcome instead."""
 
 
 @dataclass(frozen=True)
@@ -93,18 +72,10 @@ class SimStats:
     """tier -> kind -> bytes written into that tier."""
     num_transfers: dict[str, int]
     """kind -> transfers booked."""
-    num_hit_blocks: dict[str, int]
-    """tier -> blocks served from there by load_for_request."""
-    num_dropped: dict[str, int]
-    """tier -> blocks dropped out of the hierarchy to make room."""
     num_refused: int
-    """Moves refused for lack of room."""
+    """Moves and stores refused for lack of room."""
     num_over_budget: int
-    """Prefetches refused by a tier's prefetch budget."""
-    num_requests: int
-    num_missing_blocks: int
-    num_prefill_tokens: int
-    prefill_ms: float
+    """Speculative promotes the prefetch budget refused (``admit_prefetch``)."""
 
 
 class SimulatedExecutor:
@@ -116,8 +87,6 @@ class SimulatedExecutor:
         capacity_bytes: Mapping[str, int] | None = None,
         capacity_blocks: Mapping[str, int] | None = None,
         block_size_tokens: int | None = None,
-        on_full: OnFull = "demote",
-        serialize_prefill: bool = True,
         clock: SimClock | None = None,
     ) -> None:
         """``tiers``: which of the profile's tiers to simulate (default: all of them;
@@ -133,18 +102,13 @@ class SimulatedExecutor:
             raise ValueError(f"tiers must be distinct and fastest first, got {names}")
         if names[0] != "hbm":
             raise ValueError("the first simulated tier must be 'hbm' (requests load into it)")
-        if on_full not in ("demote", "evict", "refuse"):
-            raise ValueError(f"on_full must be demote, evict or refuse, got {on_full!r}")
         self.tier_names: tuple[str, ...] = names
         self._index = {name: i for i, name in enumerate(names)}
         self.block_size_tokens = (
             self.profile.model.block_size_tokens if block_size_tokens is None else block_size_tokens
         )
         self.block_bytes = self.profile.model.block_bytes(self.block_size_tokens)
-        self.on_full: OnFull = on_full
-        self.serialize_prefill = serialize_prefill
         self.clock = clock if clock is not None else SimClock()
-        self._prefill_ms_per_token = 1000.0 / self.profile.model.prefill_tokens_per_s
         caps = {name: self.profile.tier(name).capacity_bytes for name in names}
         for source, scale in ((capacity_bytes, 1), (capacity_blocks, self.block_bytes)):
             for name, value in (source or {}).items():
@@ -157,15 +121,14 @@ class SimulatedExecutor:
         self._channels = [self.profile.tier(name).channels() for name in names]
         n = len(names)
         self._used = [0] * n
-        self._lru: list[OrderedDict[Hashable, None]] = [OrderedDict() for _ in names]
+        self._members: list[dict[Hashable, None]] = [{} for _ in names]
         self._tier_of: dict[Hashable, int] = {}
         self._ready_ms: dict[Hashable, float] = {}
-        self._sizes: dict[Hashable, int] = {}
         self._pinned: set[Hashable] = set()
-        self._busy: set[Hashable] = set()  # blocks being moved or placed right now
         self._applied_ids: set[str] = set()
         self._num_outcomes: dict[str, int] = {}
-        self._compute_free_ms = 0.0
+        self.last_store_statuses: list[str] = []
+        """Status of each store of the last ``apply_batch`` (applied, refused_full, stale or failed)."""
         self.reset_stats()
 
     # -- state ----------------------------------------------------------------------
@@ -174,25 +137,45 @@ class SimulatedExecutor:
         self._bytes_read = [[0, 0, 0] for _ in range(n)]
         self._bytes_written = [[0, 0, 0] for _ in range(n)]
         self._num_transfers = [0, 0, 0]
-        self._num_hits = [0] * n
-        self._num_dropped = [0] * n
         self._num_refused = 0
         self._num_over_budget = 0
-        self._num_requests = 0
-        self._num_missing = 0
-        self._num_prefill_tokens = 0
-        self._prefill_ms_total = 0.0
 
-    def where(self, block: Hashable) -> str | None:
+    def locate(self, block: Hashable) -> str | None:
         """The tier holding ``block``, or None."""
         t = self._tier_of.get(block)
         return None if t is None else self.tier_names[t]
 
+    where = locate
+
     def ready_at_ms(self, block: Hashable) -> float | None:
-        """When the block's copy is usable where it is (None when not cached)."""
+        """When the block's copy is usable where it is (None when not cached;
+        ``COMPUTING`` while the engine computes it)."""
         if block not in self._tier_of:
             return None
         return self._ready_ms.get(block, 0.0)
+
+    def capacities(self) -> dict[str, TierSpace]:
+        """Tier -> capacity (blocks and bytes)."""
+        return {
+            name: TierSpace(cap // self.block_bytes, cap)
+            for name, cap in zip(self.tier_names, self._cap, strict=True)
+        }
+
+    def occupancy(self) -> dict[str, TierSpace]:
+        """Tier -> what it holds (blocks in flight count at their destination)."""
+        return {
+            name: TierSpace(len(members), used)
+            for name, members, used in zip(self.tier_names, self._members, self._used, strict=True)
+        }
+
+    def health(self) -> dict[str, object]:
+        """Always healthy: nothing here can fail but a caller's bug."""
+        return {
+            "status": "ok",
+            "tiers": list(self.tier_names),
+            "blocks": len(self._tier_of),
+            "num_decisions": dict(self._num_outcomes),
+        }
 
     def used_bytes(self, tier: str) -> int:
         return self._used[self._tier(tier)]
@@ -205,11 +188,11 @@ class SimulatedExecutor:
         return self._cap[t] - self._used[t]
 
     def num_blocks(self, tier: str) -> int:
-        return len(self._lru[self._tier(tier)])
+        return len(self._members[self._tier(tier)])
 
     def blocks_in(self, tier: str) -> list[Hashable]:
-        """Blocks of a tier, least recently used first."""
-        return list(self._lru[self._tier(tier)])
+        """Blocks of a tier, in the order they arrived there."""
+        return list(self._members[self._tier(tier)])
 
     def is_pinned(self, block: Hashable) -> bool:
         return block in self._pinned
@@ -219,9 +202,6 @@ class SimulatedExecutor:
         src = self._channels[self._tier(from_tier)].read
         dst = self._channels[self._tier(to_tier)].write
         return max(src.idle_time_ms(size_bytes), dst.idle_time_ms(size_bytes))
-
-    def prefill_time_ms(self, num_tokens: int) -> float:
-        return num_tokens * self._prefill_ms_per_token
 
     def stats(self) -> SimStats:
         names = self.tier_names
@@ -233,32 +213,40 @@ class SimulatedExecutor:
             bytes_read=per_tier(self._bytes_read),
             bytes_written=per_tier(self._bytes_written),
             num_transfers=dict(zip(KINDS, self._num_transfers, strict=True)),
-            num_hit_blocks=dict(zip(names, self._num_hits, strict=True)),
-            num_dropped=dict(zip(names, self._num_dropped, strict=True)),
             num_refused=self._num_refused,
             num_over_budget=self._num_over_budget,
-            num_requests=self._num_requests,
-            num_missing_blocks=self._num_missing,
-            num_prefill_tokens=self._num_prefill_tokens,
-            prefill_ms=self._prefill_ms_total,
         )
 
-    # -- placement ------------------------------------------------------------------
+    # -- placement without transfers --------------------------------------------------
     def place(
         self,
         block: Hashable,
         tier: str,
         *,
         now_ms: float | None = None,
-        size_bytes: int | None = None,
+        computing: bool = False,
     ) -> bool:
-        """Put ``block`` in ``tier`` without booking a transfer (initial contents, or
-        freshly computed KV). A copy elsewhere is dropped. Returns False when there is
-        no room (nothing changes then)."""
-        now = self.clock.now_ms if now_ms is None else now_ms
+        """Put ``block`` in ``tier`` without booking a transfer (initial contents).
+        ``computing``: the engine is computing it; unusable until ``mark_computed``.
+        Returns False, changing nothing, when the block is already cached or there is
+        no room."""
         t = self._tier(tier)
-        size = self.block_bytes if size_bytes is None else size_bytes
-        return self._place(block, t, size, now)
+        if block in self._tier_of:
+            return False
+        if self._used[t] + self.block_bytes > self._cap[t]:
+            self._num_refused += 1
+            return False
+        now = self.clock.now_ms if now_ms is None else now_ms
+        self._add(block, t, COMPUTING if computing else now)
+        return True
+
+    def mark_computed(self, blocks: Iterable[Hashable], now_ms: float) -> None:
+        """The engine finished computing ``blocks``: copies still marked computing are
+        usable from ``now_ms``."""
+        ready = self._ready_ms
+        for block in blocks:
+            if ready.get(block) == COMPUTING:
+                ready[block] = now_ms
 
     def evict(self, block: Hashable, tier: str | None = None) -> bool:
         """Drop ``block`` (only if it is in ``tier``, when given). Pinned blocks stay."""
@@ -267,11 +255,11 @@ class SimulatedExecutor:
             return False
         if tier is not None and self._tier(tier) != t:
             return False
-        self._remove(block, t)
+        self._remove(block)
         return True
 
     def pin(self, block: Hashable) -> bool:
-        """Keep ``block`` where it is: making room never moves it. False if not cached."""
+        """Keep ``block`` where it is: demote and evict decisions skip it."""
         if block not in self._tier_of:
             return False
         self._pinned.add(block)
@@ -283,19 +271,55 @@ class SimulatedExecutor:
             return True
         return False
 
+    # -- requests -------------------------------------------------------------------
+    def cached_prefix(self, blocks: Sequence[Hashable]) -> tuple[int, list[int]]:
+        """``(first_miss, tiers)``: the number of leading blocks cached and usable (not
+        being computed), and the tier index of each of them."""
+        tier_of, ready = self._tier_of, self._ready_ms
+        tiers: list[int] = []
+        for block in blocks:
+            t = tier_of.get(block)
+            if t is None or ready.get(block, 0.0) == COMPUTING:
+                break
+            tiers.append(t)
+        return len(tiers), tiers
+
+    def prefix_ready_ms(self, blocks: Iterable[Hashable], now_ms: float) -> float:
+        """When every one of ``blocks`` (a request's cached prefix) is in HBM. Blocks
+        still below HBM are streamed through for this request (a demand read booked
+        now, no placement change)."""
+        ready_at = now_ms
+        tier_of, ready = self._tier_of, self._ready_ms
+        for block in blocks:
+            t = tier_of.get(block)
+            if t is None:
+                raise SimulationError(f"block {block!r} is not cached")
+            done = self._book(block, t, 0, now_ms, _STREAM) if t else ready.get(block, 0.0)
+            if done > ready_at:
+                ready_at = done
+        return ready_at
+
     # -- transfers --------------------------------------------------------------------
+    def admit_prefetch(self, from_tier: int | str, to_tier: int | str, now_ms: float) -> bool:
+        """Whether the prefetch budget of the source's read link and the destination's
+        write link has room for one block now; True takes that room (the planner's
+        ``AdmitFn``: tiers by index or name)."""
+        src = from_tier if isinstance(from_tier, int) else self._tier(from_tier)
+        dst = to_tier if isinstance(to_tier, int) else self._tier(to_tier)
+        read, write = self._channels[src].read, self._channels[dst].write
+        size = self.block_bytes
+        if not (read.admits_prefetch(now_ms, size) and write.admits_prefetch(now_ms, size)):
+            self._num_over_budget += 1
+            return False
+        read.charge_prefetch(now_ms, size)
+        write.charge_prefetch(now_ms, size)
+        return True
+
     def schedule_transfer(
-        self,
-        block: Hashable,
-        from_tier: str | None,
-        to_tier: str,
-        now_ms: float,
-        kind: Kind = "prefetch",
+        self, block: Hashable, from_tier: str | None, to_tier: str, now_ms: float
     ) -> float | None:
-        """Move ``block`` from ``from_tier`` (None: wherever it is) to ``to_tier``,
-        sharing each channel with the transfers already booked. Returns the time the
-        block is usable at ``to_tier``; None when refused (no room there, or a
-        prefetch over budget).
+        """Move ``block`` from ``from_tier`` (None: wherever it is) to ``to_tier`` now;
+        returns when it is usable there, None when there is no room.
         Raises ``SimulationError`` when the block is not cached or not at ``from_tier``."""
         t = self._tier_of.get(block)
         if t is None:
@@ -308,172 +332,201 @@ class SimulatedExecutor:
         self.clock.advance_to(now_ms)
         if dst == t:
             return max(now_ms, self._ready_ms.get(block, 0.0))
-        try:
-            k = KINDS.index(kind)
-        except ValueError:
-            raise ValueError(f"kind must be one of {', '.join(KINDS)}, got {kind!r}") from None
-        return self._move(block, t, dst, now_ms, k)
+        if self._used[dst] + self.block_bytes > self._cap[dst]:
+            self._num_refused += 1
+            return None
+        return self._move(block, t, dst, now_ms)
 
-    def load_for_request(
-        self, blocks: Iterable[Hashable], now_ms: float, *, num_tokens: int | None = None
-    ) -> RequestLoad:
-        """Make a request's KV resident in HBM and say when it is.
-
-        ``blocks`` in prefix order. Cached blocks up to the first missing one are
-        brought to HBM by demand transfers; the rest are recomputed (``num_tokens``,
-        the prompt length, sets how many tokens that is; default: whole blocks) and
-        then stored in HBM, making room per ``on_full``."""
-        self.clock.advance_to(now_ms)
-        tier_of = self._tier_of
-        ready_map = self._ready_ms
-        hbm_lru = self._lru[0]
-        hits = [0] * len(self.tier_names)
-        missing: list[Hashable] = []
-        load_ready = now_ms
-        for block in blocks:
-            t = tier_of.get(block) if not missing else None
-            if t is None:
-                missing.append(block)
-                continue
-            if t == 0:
-                ready = ready_map.get(block, 0.0)
-                hbm_lru.move_to_end(block)
-            else:
-                moved = self._move(block, t, 0, now_ms, _DEMAND)
-                # No room in HBM even after making room: stream it through for this
-                # request without keeping it.
-                if moved is None:
-                    moved = self._book(block, t, 0, now_ms, _DEMAND)
-                    assert moved is not None  # demand is never refused by a budget
-                ready = moved
-            hits[t] += 1
-            if ready > load_ready:
-                load_ready = ready
-        num_hit = sum(hits)
-        if num_tokens is None:
-            prefill_tokens = len(missing) * self.block_size_tokens
-        else:
-            prefill_tokens = max(0, num_tokens - num_hit * self.block_size_tokens)
-        prefill_ms = prefill_tokens * self._prefill_ms_per_token
-        start = load_ready
-        if prefill_tokens and self.serialize_prefill:
-            if self._compute_free_ms > start:
-                start = self._compute_free_ms
-            self._compute_free_ms = start + prefill_ms
-        ready_ms = start + prefill_ms
-        for block in missing:
-            self._place(block, 0, self.block_bytes, ready_ms)
-        self._num_requests += 1
-        for t, count in enumerate(hits):
-            self._num_hits[t] += count
-        self._num_missing += len(missing)
-        self._num_prefill_tokens += prefill_tokens
-        self._prefill_ms_total += prefill_ms
-        return RequestLoad(
-            ready_ms=ready_ms,
-            load_ready_ms=load_ready,
-            prefill_start_ms=start,
-            prefill_ms=prefill_ms,
-            num_hit_blocks=tuple(hits),
-            num_missing_blocks=len(missing),
-            num_prefill_tokens=prefill_tokens,
-        )
+    # -- the executor.protocol.Executor seam -----------------------------------------
+    def apply(self, decisions: Sequence[Decision]) -> list[Outcome]:
+        """The protocol's batch: in order, each decision booked at its ``ts_ms`` and
+        checked for room as it comes (a batch of one each; ``apply_batch`` is the
+        atomic round replay uses)."""
+        return [self.apply_batch([d])[0] for d in decisions]
 
     def apply_one(self, decision: Decision, now_ms: float | None = None) -> Outcome:
-        """Carry out a ``Decision`` at ``now_ms`` (default: its ``ts_ms``). Promotes are
-        booked as prefetch traffic, demotes as demote traffic. Never raises for stale
-        decisions: they come back with a status and the reason."""
-        now = float(decision.ts_ms) if now_ms is None else now_ms
-        did = decision.decision_id
-        block = decision.block_hash
-        t = self._tier_of.get(block)
-        where = None if t is None else self.tier_names[t]
+        """One decision: a batch of one."""
+        return self.apply_batch([decision], now_ms=now_ms)[0]
 
-        def out(status: OutcomeStatus, reason: str = "", done: float | None = None) -> Outcome:
-            if status == "applied":
-                self._applied_ids.add(did)
-            self._num_outcomes[status] = self._num_outcomes.get(status, 0) + 1
-            return Outcome(did, status, reason, block, where, decision.to_tier, 0, 0.0, done)
-
-        if did in self._applied_ids:
-            return out("duplicate", "duplicate decision id")
-        if decision.deadline_ms is not None and now > decision.deadline_ms:
-            return out("expired", "deadline passed")
-        if decision.action in ("pin", "unpin"):
-            if decision.action == "pin":
-                return out("applied") if self.pin(block) else out("missing", "not cached")
-            return out("applied") if self.unpin(block) else out("stale", "not pinned")
-        if t is None:
-            return out("missing", "not cached")
-        if decision.from_tier is not None and decision.from_tier != self.tier_names[t]:
-            return out("stale", f"block is in {self.tier_names[t]}, not {decision.from_tier}")
-        if decision.action == "evict":
-            if block in self._pinned:
-                return out("refused_pinned", "pinned")
-            self._remove(block, t)
-            return out("applied")
-        assert decision.to_tier is not None
-        if decision.to_tier not in self._index:
-            return out("failed", f"tier {decision.to_tier} is not simulated here")
-        dst = self._index[decision.to_tier]
-        if dst == t:
-            return out("stale", f"already in {decision.to_tier}")
-        if (dst < t) != (decision.action == "promote"):
-            return out(
-                "stale", f"block is in {self.tier_names[t]}; {decision.action} does not apply"
-            )
-        if block in self._pinned:
-            return out("refused_pinned", "pinned")
-        self.clock.advance_to(now)
-        over_budget = self._num_over_budget
-        done = self._move(
-            block, t, dst, now, _PREFETCH if decision.action == "promote" else _DEMOTE
-        )
-        if done is None:
-            if self._num_over_budget > over_budget:
-                return out("refused_budget", f"prefetch budget into {decision.to_tier} spent")
-            return out("refused_full", f"no room in {decision.to_tier}")
-        return out("applied", "", done)
-
-    # -- the executor.protocol.Executor seam ----------------------------------------------
-    def apply(self, decisions: Sequence[Decision]) -> list[Outcome]:
-        """``apply_one`` each decision at its ``ts_ms``, in order."""
-        return [self.apply_one(d) for d in decisions]
-
-    def locate(self, block: Hashable) -> str | None:
-        """The tier holding ``block``, or None (``where``)."""
-        return self.where(block)
-
-    def capacities(self) -> dict[str, TierSpace]:
-        return {
-            name: TierSpace(self._cap[t] // self.block_bytes, self._cap[t])
-            for t, name in enumerate(self.tier_names)
-        }
-
-    def occupancy(self) -> dict[str, TierSpace]:
-        return {
-            name: TierSpace(len(self._lru[t]), self._used[t])
-            for t, name in enumerate(self.tier_names)
-        }
-
-    def health(self) -> dict[str, Any]:
-        return {
-            "status": "ok",
-            "tiers": list(self.tier_names),
-            "num_decisions": dict(self._num_outcomes),
-            "simulated_now_ms": self.clock.now_ms,
-        }
-
-    def store(self, block: Hashable, tier: str, size_bytes: int) -> Outcome:
-        """``place`` a block the engine just computed, at the clock's now."""
-        if self.place(block, tier, size_bytes=size_bytes):
-            return Outcome("store", "applied", "", None, None, tier, size_bytes)
-        return Outcome("store", "refused_full", f"no room in {tier}", None, None, tier)
+    def store(self, block: int, tier: str, size_bytes: int) -> Outcome:
+        """The engine computed ``block`` into ``tier`` (now, on the simulated clock);
+        ``size_bytes`` is ignored: every block is ``block_bytes`` here."""
+        self.apply_batch([], stores=[(block, tier, self.clock.now_ms)])
+        status = self.last_store_statuses[0]
+        reason = "" if status == "applied" else f"{status}: {tier}"
+        return Outcome("write", status, reason, block, None, tier, self.block_bytes)  # type: ignore[arg-type]
 
     def close(self) -> None:
         """Nothing to release."""
 
+    def _outcome(
+        self, d: Decision, status: str, reason: str = "", completion_ms: float | None = None
+    ) -> Outcome:
+        self._num_outcomes[status] = self._num_outcomes.get(status, 0) + 1
+        return Outcome(
+            d.decision_id,
+            status,  # type: ignore[arg-type]
+            reason,
+            d.block_hash,
+            d.from_tier,
+            d.to_tier,
+            self.block_bytes if d.action in ("promote", "demote") else 0,
+            completion_ms=completion_ms,
+        )
+
+    def apply_batch(
+        self,
+        decisions: Sequence[Decision],
+        *,
+        stores: Sequence[Store] = (),
+        now_ms: float | None = None,
+    ) -> list[Outcome]:
+        """Apply one round of decisions after the engine's ``stores``, atomically with
+        respect to capacity (see the module docstring). Each decision is booked at
+        ``now_ms`` (default: its ``ts_ms``). Returns one outcome per decision, in order."""
+        refused: set[int] = set()
+        while True:
+            plan, over = self._plan(decisions, stores, refused, now_ms)
+            if over is None:
+                break
+            tier, delta = over
+            # Refuse the latest accepted item moving a block into the over-full tier.
+            culprit = next(
+                (
+                    i
+                    for i in range(len(plan) - 1, -1, -1)
+                    if plan[i][0] == "ok" and plan[i][2] == tier and i not in refused
+                ),
+                None,
+            )
+            if culprit is None:  # cannot happen: only inbound items grow a tier
+                raise SimulationError(f"tier {self.tier_names[tier]} over capacity by {delta}")
+            refused.add(culprit)
+        self._num_refused += len(refused)
+        outcomes: list[Outcome] = []
+        self.last_store_statuses = [
+            "applied" if status == "ok" else status for status, _, _ in plan[: len(stores)]
+        ]
+        for i, (status, reason, dst) in enumerate(plan):
+            if i < len(stores):
+                block, _, at_ms = stores[i]
+                if status == "ok":
+                    self._add(block, dst, COMPUTING)
+                    self.clock.advance_to(at_ms)
+                continue
+            d = decisions[i - len(stores)]
+            if status != "ok":
+                outcomes.append(self._outcome(d, status, reason))
+                continue
+            outcomes.append(self._carry_out(d, dst, float(d.ts_ms) if now_ms is None else now_ms))
+        return outcomes
+
     # -- internals ----------------------------------------------------------------------
+    def _plan(
+        self,
+        decisions: Sequence[Decision],
+        stores: Sequence[Store],
+        refused: set[int],
+        now_ms: float | None,
+    ) -> tuple[list[tuple[str, str, int]], tuple[int, int] | None]:
+        """Walk the batch on a virtual copy of the placement: each item's (status,
+        reason, destination tier index or -1) and the first tier left over capacity
+        (with its excess in bytes), or None when everything fits."""
+        where: dict[Hashable, int | None] = {}
+        pinned: dict[Hashable, bool] = {}
+        seen_ids: set[str] = set()
+        delta = [0] * len(self.tier_names)
+        size = self.block_bytes
+        plan: list[tuple[str, str, int]] = []
+
+        def loc(block: Hashable) -> int | None:
+            return where[block] if block in where else self._tier_of.get(block)
+
+        for i, (block, tier, _) in enumerate(stores):
+            dst = self._index.get(tier)
+            if dst is None:
+                plan.append(("failed", f"tier {tier} is not simulated here", -1))
+            elif i in refused:
+                plan.append(("refused_full", f"no room in {tier}", -1))
+            elif loc(block) is not None:
+                plan.append(("stale", "already cached", -1))
+            else:
+                where[block] = dst
+                delta[dst] += size
+                plan.append(("ok", "", dst))
+        for j, d in enumerate(decisions):
+            i = j + len(stores)
+            block = d.block_hash
+            t = loc(block)
+            is_pinned = pinned.get(block, block in self._pinned)
+            status, reason, dst = "ok", "", -1
+            if d.decision_id in self._applied_ids or d.decision_id in seen_ids:
+                status, reason = "duplicate", "duplicate decision id"
+            elif (
+                d.deadline_ms is not None
+                and (d.ts_ms if now_ms is None else now_ms) > d.deadline_ms
+            ):
+                status, reason = "expired", "deadline passed"
+            elif d.action == "pin":
+                status, reason = ("ok", "") if t is not None else ("missing", "not cached")
+                if t is not None:
+                    pinned[block] = True
+            elif d.action == "unpin":
+                status, reason = ("ok", "") if is_pinned else ("stale", "not pinned")
+                pinned[block] = False
+            elif t is None:
+                status, reason = "missing", "not cached"
+            elif d.from_tier is not None and d.from_tier != self.tier_names[t]:
+                status, reason = "stale", f"block is in {self.tier_names[t]}, not {d.from_tier}"
+            elif d.action == "evict":
+                if is_pinned:
+                    status, reason = "refused_pinned", "pinned"
+                else:
+                    where[block] = None
+                    delta[t] -= size
+            elif d.to_tier is None or d.to_tier not in self._index:
+                status, reason = "failed", f"tier {d.to_tier} is not simulated here"
+            else:
+                dst = self._index[d.to_tier]
+                if dst == t:
+                    status, reason = "stale", "already there"
+                elif (dst < t) != (d.action == "promote"):
+                    status = "stale"
+                    reason = f"block is in {self.tier_names[t]}; {d.action} does not apply"
+                elif is_pinned:
+                    status, reason = "refused_pinned", "pinned"
+                elif i in refused:
+                    status, reason = "refused_full", f"no room in {d.to_tier}"
+                else:
+                    where[block] = dst
+                    delta[t] -= size
+                    delta[dst] += size
+            if status == "ok":
+                seen_ids.add(d.decision_id)
+            plan.append((status, reason, dst if status == "ok" else -1))
+        for t, change in enumerate(delta):
+            excess = self._used[t] + change - self._cap[t]
+            if change > 0 and excess > 0:
+                return plan, (t, excess)
+        return plan, None
+
+    def _carry_out(self, d: Decision, dst: int, now: float) -> Outcome:
+        block = d.block_hash
+        self._applied_ids.add(d.decision_id)
+        if d.action == "pin":
+            self._pinned.add(block)
+            return self._outcome(d, "applied")
+        if d.action == "unpin":
+            self._pinned.discard(block)
+            return self._outcome(d, "applied")
+        if d.action == "evict":
+            self._remove(block)
+            return self._outcome(d, "applied")
+        self.clock.advance_to(now)
+        src = self._tier_of[block]
+        done = self._move(block, src, dst, now)
+        return self._outcome(d, "applied", completion_ms=done)
+
     def _tier(self, name: str) -> int:
         try:
             return self._index[name]
@@ -482,22 +535,16 @@ class SimulatedExecutor:
                 f"unknown tier {name!r}; this simulation has {self.tier_names}"
             ) from None
 
-    def _book(self, block: Hashable, src: int, dst: int, now_ms: float, kind: int) -> float | None:
-        """Book channels and count bytes; no placement change. None: a prefetch the
-        budget refuses."""
-        size = self._sizes.get(block, self.block_bytes)
+    def _book(self, block: Hashable, src: int, dst: int, now_ms: float, kind: int) -> float:
+        """Book the source's read and the destination's write; count bytes; no
+        placement change. A copy still in flight (or being computed) is read once it
+        lands."""
+        size = self.block_bytes
         start = self._ready_ms.get(block, 0.0)
-        if start < now_ms:
+        if start < now_ms or start == COMPUTING:
             start = now_ms
-        read, write = self._channels[src].read, self._channels[dst].write
-        if kind == _PREFETCH:
-            if not (read.admits_prefetch(start, size) and write.admits_prefetch(start, size)):
-                self._num_over_budget += 1
-                return None
-            read.charge_prefetch(start, size)
-            write.charge_prefetch(start, size)
-        done = read.book(start, size)
-        written = write.book(start, size)
+        done = self._channels[src].read.book(start, size)
+        written = self._channels[dst].write.book(start, size)
         if written > done:
             done = written
         self._bytes_read[src][kind] += size
@@ -505,91 +552,28 @@ class SimulatedExecutor:
         self._num_transfers[kind] += 1
         return done
 
-    def _move(self, block: Hashable, src: int, dst: int, now_ms: float, kind: int) -> float | None:
-        size = self._sizes.get(block, self.block_bytes)
-        if kind == _PREFETCH:
-            start = max(now_ms, self._ready_ms.get(block, 0.0))
-            read, write = self._channels[src].read, self._channels[dst].write
-            if not (read.admits_prefetch(start, size) and write.admits_prefetch(start, size)):
-                self._num_over_budget += 1
-                return None
-        # While room is made (which can cascade down the tiers), this block must not
-        # itself be chosen as a victim.
-        self._busy.add(block)
-        try:
-            room = self._make_room(dst, size, now_ms)
-        finally:
-            self._busy.discard(block)
-        if not room:
-            self._num_refused += 1
-            return None
-        done = self._book(block, src, dst, now_ms, kind)
-        assert done is not None
-        del self._lru[src][block]
-        self._used[src] -= size
-        self._lru[dst][block] = None
-        self._used[dst] += size
-        self._tier_of[block] = dst
-        self._ready_ms[block] = done
+    def _move(self, block: Hashable, src: int, dst: int, now_ms: float) -> float:
+        computing = self._ready_ms.get(block, 0.0) == COMPUTING
+        promote = dst < src
+        done = self._book(block, src, dst, now_ms, _PROMOTE if promote else _DEMOTE)
+        del self._members[src][block]
+        self._used[src] -= self.block_bytes
+        # A promote in flight delays a read of the block until it lands. A write-back
+        # (demote) does not: the faster copy serves reads until the slower one is
+        # written, so a backlog of write-backs never holds up a request.
+        ready = done if promote else max(now_ms, self._ready_ms.get(block, 0.0))
+        self._add(block, dst, COMPUTING if computing else ready)
         return done
 
-    def _place(self, block: Hashable, t: int, size: int, ready_ms: float) -> bool:
-        old = self._tier_of.get(block)
-        if old == t:
-            self._lru[t].move_to_end(block)
-            return True
-        self._busy.add(block)
-        try:
-            room = self._make_room(t, size, ready_ms)
-        finally:
-            self._busy.discard(block)
-        if not room:
-            self._num_refused += 1
-            return False
-        pinned = block in self._pinned
-        if old is not None:
-            self._remove(block, old)
-            if pinned:
-                self._pinned.add(block)
-        if size != self.block_bytes:
-            self._sizes[block] = size
-        self._lru[t][block] = None
-        self._used[t] += size
+    def _add(self, block: Hashable, t: int, ready_ms: float) -> None:
+        self._members[t][block] = None
+        self._used[t] += self.block_bytes
         self._tier_of[block] = t
         self._ready_ms[block] = ready_ms
-        return True
 
-    def _remove(self, block: Hashable, t: int) -> None:
-        size = self._sizes.pop(block, self.block_bytes)
-        del self._lru[t][block]
-        self._used[t] -= size
-        del self._tier_of[block]
+    def _remove(self, block: Hashable) -> None:
+        t = self._tier_of.pop(block)
+        del self._members[t][block]
+        self._used[t] -= self.block_bytes
         self._ready_ms.pop(block, None)
         self._pinned.discard(block)
-
-    def _make_room(self, t: int, size: int, now_ms: float) -> bool:
-        cap = self._cap[t]
-        if self._used[t] + size <= cap:
-            return True
-        if size > cap or self.on_full == "refuse":
-            return False
-        lru = self._lru[t]
-        pinned = self._pinned
-        busy = self._busy
-        last = len(self.tier_names) - 1
-        while self._used[t] + size > cap:
-            victim = None
-            for candidate in lru:
-                if candidate not in pinned and candidate not in busy:
-                    victim = candidate
-                    break
-            if victim is None:
-                return False
-            if self.on_full == "demote" and t < last:
-                if self._move(victim, t, t + 1, now_ms, _DEMOTE) is None:
-                    self._num_dropped[t] += 1
-                    self._remove(victim, t)
-            else:
-                self._num_dropped[t] += 1
-                self._remove(victim, t)
-        return True

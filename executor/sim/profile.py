@@ -6,14 +6,18 @@ empty source, so a number can never lose its provenance. Layout::
 
     [profile]                 name, description
     [model]                   num_layers, num_kv_heads, head_dim, kv_dtype_bytes,
-                              tensor_parallel, block_size_tokens, prefill_tokens_per_s
+                              tensor_parallel, block_size_tokens, num_attention_heads,
+                              active_params, peak_flops_per_s, mfu,
+                              prefill_chunk_tokens, step_overhead_ms
     [tiers.<hbm|dram|nvme|remote>]
                               capacity_bytes, read_serial_bytes_per_s,
                               read_parallel_bytes_per_s, write_serial_bytes_per_s,
                               write_parallel_bytes_per_s, parallelism, latency_ms,
                               prefetch_share, prefetch_burst_ms
 
-Bandwidths and capacities are for the whole node (all tensor-parallel ranks
+A parameter whose source starts with ``assumption`` is a free parameter: a number we
+chose, which a calibration may change (``Profile.assumptions``). Bandwidths and
+capacities are for the whole node (all tensor-parallel ranks
 together): a KV block is split across the TP ranks and its shards move in parallel.
 ``load_profile()`` with no argument loads the bundled default profile.
 """
@@ -39,13 +43,27 @@ class ProfileError(ValueError):
 
 @dataclass(frozen=True)
 class ModelSpec:
+    """The served model and the engine's compute (whole node, all TP ranks).
+
+    Cost model (``prefill_flops``, ``step_ms``): the token at position ``p`` of a
+    prompt costs ``2 * active_params`` FLOPs in the linear layers plus
+    ``4 * num_layers * num_attention_heads * head_dim * p`` in attention (QK^T and AV
+    over the ``p`` tokens before it), so a prompt of ``n`` tokens costs
+    ``n * 2P + 4 L H d * n (n - 1) / 2``: superlinear in ``n``, and additive over
+    chunks. Compute runs at ``peak_flops_per_s * mfu``."""
+
     num_layers: int
     num_kv_heads: int
     head_dim: int
     kv_dtype_bytes: int
     tensor_parallel: int
     block_size_tokens: int
-    prefill_tokens_per_s: float
+    num_attention_heads: int
+    active_params: float
+    peak_flops_per_s: float
+    mfu: float
+    prefill_chunk_tokens: int
+    step_overhead_ms: float
 
     @property
     def kv_bytes_per_token(self) -> int:
@@ -57,9 +75,39 @@ class ModelSpec:
         tokens = self.block_size_tokens if block_size_tokens is None else block_size_tokens
         return self.kv_bytes_per_token * tokens
 
-    def prefill_ms(self, num_tokens: float) -> float:
-        """Time to compute the KV of ``num_tokens`` prompt tokens on the node."""
-        return num_tokens * 1000.0 / self.prefill_tokens_per_s
+    @property
+    def linear_flops_per_token(self) -> float:
+        return 2.0 * self.active_params
+
+    @property
+    def attention_flops_per_position(self) -> float:
+        """Attention FLOPs a token spends per earlier token it attends to."""
+        return 4.0 * self.num_layers * self.num_attention_heads * self.head_dim
+
+    @property
+    def flops_per_s(self) -> float:
+        """Sustained compute: peak x MFU."""
+        return self.peak_flops_per_s * self.mfu
+
+    def prefill_flops(self, start_position: float, end_position: float) -> float:
+        """FLOPs to compute the KV of prompt positions ``[start, end)`` (the tokens
+        before ``start`` already cached)."""
+        n = end_position - start_position
+        if n <= 0:
+            return 0.0
+        # sum of positions start .. end-1
+        positions = n * (start_position + end_position - 1) / 2.0
+        return n * self.linear_flops_per_token + self.attention_flops_per_position * positions
+
+    def prefill_ms(self, num_tokens: float, start_position: float = 0.0) -> float:
+        """Compute time of ``num_tokens`` prompt tokens after ``start_position``
+        cached ones (no step overhead: that is the engine's, per step)."""
+        flops = self.prefill_flops(start_position, start_position + num_tokens)
+        return flops / self.flops_per_s * 1000.0
+
+    def decode_flops(self, context_tokens: float) -> float:
+        """FLOPs of one output token generated after ``context_tokens`` tokens."""
+        return self.linear_flops_per_token + self.attention_flops_per_position * context_tokens
 
 
 @dataclass(frozen=True)
@@ -126,6 +174,11 @@ class Profile:
     def with_model(self, **changes: Any) -> Profile:
         return dataclasses.replace(self, model=dataclasses.replace(self.model, **changes))
 
+    def assumptions(self) -> list[str]:
+        """Keys (``"model.mfu"``) of the free parameters: numbers whose source says
+        they are an assumption, the only ones a calibration may change."""
+        return sorted(k for k, v in self.sources.items() if v.lower().startswith("assumption"))
+
 
 _MODEL_UNITS = {
     "num_layers": "count",
@@ -134,7 +187,12 @@ _MODEL_UNITS = {
     "kv_dtype_bytes": "bytes",
     "tensor_parallel": "count",
     "block_size_tokens": "tokens",
-    "prefill_tokens_per_s": "tokens/s",
+    "num_attention_heads": "count",
+    "active_params": "count",
+    "peak_flops_per_s": "FLOP/s",
+    "mfu": "fraction",
+    "prefill_chunk_tokens": "tokens",
+    "step_overhead_ms": "ms",
 }
 _TIER_UNITS = {
     "capacity_bytes": "bytes",
@@ -154,6 +212,8 @@ _INT_FIELDS = {
     "kv_dtype_bytes",
     "tensor_parallel",
     "block_size_tokens",
+    "num_attention_heads",
+    "prefill_chunk_tokens",
     "capacity_bytes",
     "parallelism",
 }
@@ -213,8 +273,12 @@ def parse_profile(data: dict[str, Any], origin: str = "<profile>") -> Profile:
             tier.channels()  # validates rates, parallelism, share
             if tier.capacity_bytes <= 0:
                 raise ProfileError(f"tiers.{tier.name}.capacity_bytes: must be > 0")
-        if model.prefill_tokens_per_s <= 0 or model.block_size_tokens <= 0:
-            raise ProfileError("model: prefill_tokens_per_s and block_size_tokens must be > 0")
+        if not 0 < model.mfu <= 1:
+            raise ProfileError(f"model.mfu: must be in (0, 1], got {model.mfu}")
+        if min(model.peak_flops_per_s, model.block_size_tokens, model.prefill_chunk_tokens) <= 0:
+            raise ProfileError(
+                "model: peak_flops_per_s, block_size_tokens and prefill_chunk_tokens must be > 0"
+            )
     except ProfileError as exc:
         raise ProfileError(f"{origin}: {exc}") from None
     except ValueError as exc:

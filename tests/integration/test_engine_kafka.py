@@ -149,8 +149,12 @@ def test_vllm_events_and_request_events_through_kafka_give_engine_hashed_hints(
                 results = [(a["action_id"], "accepted", "") for a in envelope["actions"]]
                 executor.send_raw(json.dumps(make_ack(envelope["message_id"], results)).encode())
             executor.send_raw(b'{"not": "an ack"}')
-        wait_for(lambda: service.acks().get("accepted", 0) == len(got), timeout_s=60)
-        assert service.acks().get("malformed") == 1
+        # The malformed ack was sent last; wait for it too (the reader counts as it goes).
+        wait_for(
+            lambda: service.acks().get("accepted", 0) == len(got)
+            and service.acks().get("malformed") == 1,
+            timeout_s=60,
+        )
         assert service.http is not None
         with urllib.request.urlopen(service.http.url + "/metrics", timeout=10) as reply:
             metrics = reply.read().decode()

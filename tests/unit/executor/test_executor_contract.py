@@ -49,7 +49,7 @@ def _simulated(tmp_path: Path) -> tuple[Executor, int]:
     profile = load_profile()
     for tier in TIERS:  # no prefetch budget: these tests are about placement
         profile = profile.with_tier(tier, prefetch_share=1.0)
-    sim = SimulatedExecutor(profile, tiers=TIERS, capacity_blocks=CAPACITY_BLOCKS, on_full="refuse")
+    sim = SimulatedExecutor(profile, tiers=TIERS, capacity_blocks=CAPACITY_BLOCKS)
     return sim, sim.block_bytes
 
 

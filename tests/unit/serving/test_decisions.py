@@ -116,7 +116,7 @@ def _unbudgeted_sim(caps: dict[str, int]) -> SimulatedExecutor:
     profile = load_profile()
     for tier in TIERS:
         profile = profile.with_tier(tier, prefetch_share=1.0)
-    return SimulatedExecutor(profile, tiers=TIERS, capacity_blocks=caps, on_full="refuse")
+    return SimulatedExecutor(profile, tiers=TIERS, capacity_blocks=caps)
 
 
 @pytest.mark.parametrize(
@@ -215,9 +215,7 @@ def test_order_for_room_resolves_a_full_cycle():
 
 
 def test_executor_sink_skips_a_redelivered_decision():
-    executor = SimulatedExecutor(
-        tiers=["hbm", "dram"], capacity_blocks={"hbm": 4, "dram": 8}, on_full="refuse"
-    )
+    executor = SimulatedExecutor(tiers=["hbm", "dram"], capacity_blocks={"hbm": 4, "dram": 8})
     sink = ExecutorSink(executor, block_size_bytes=executor.block_bytes)
     sink.place_store(7, "dram", 0)
     decision = Decision(

@@ -45,7 +45,7 @@ def test_demo_writes_tables_plots_results_and_an_mlflow_run(tmp_path, monkeypatc
         # Nothing online may beat the optimum with bypass (future leaking into a policy).
         assert max(row["policies"].values()) <= refs["belady_bypass"] + 1e-12
     policies = {row["policy"] for row in data["tiered"]}
-    assert policies == {"no_prewarm", "lru", "lightgbm", "oracle"}
+    assert policies == {"no_cache", "no_prewarm", "lru", "lightgbm", "oracle"}
     assert data["trace"]["sha256"] and data["training"]["lightgbm"]["seconds"] > 0
     assert data["training"]["lightgbm"]["model_size_bytes"] > 0
     for png in ("hit_ratio_vs_capacity.png", "gap_closed.png", "ttft_cdf.png"):
