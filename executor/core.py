@@ -126,6 +126,10 @@ class ExecutorRecovery:
     moves_lost: list[str] = field(default_factory=list)
     """Pending moves whose block is nowhere (its only copy was in a volatile tier)."""
     num_torn_journal_lines: int = 0
+    num_malformed_journal_records: int = 0
+    """Journal lines that were not valid records (skipped, copied aside)."""
+    moves_ignored: list[str] = field(default_factory=list)
+    """Pending moves naming a tier that is not configured (left alone)."""
 
     @property
     def quarantined(self) -> dict[str, list[str]]:
@@ -257,7 +261,7 @@ class Executor:
             if (
                 old != tier
                 and target.free_bytes < size
-                and not self._make_room(tier, size, f"write:{key}", 0)
+                and not self._make_room(tier, size, f"write:{key}", 0, frozenset({key}))
             ):
                 return self._outcome(
                     "write", "skipped", f"no room in {tier}", block, old, tier, start
@@ -394,9 +398,18 @@ class Executor:
 
     # -- moves ------------------------------------------------------------------------
     def _move(
-        self, key: str, src: str, dst: str, move_id: str, depth: int
+        self,
+        key: str,
+        src: str,
+        dst: str,
+        move_id: str,
+        depth: int,
+        moving: frozenset[str] = frozenset(),
     ) -> tuple[Status, str, int]:
         """Move one block; the caller holds its stripe lock. Returns (status, reason, bytes)."""
+        if src == dst:
+            # Recovery of such a move would drop "the source", the only copy.
+            return "skipped", f"source and destination are both {src}", 0
         source, target = self._tiers[src], self._tiers[dst]
         self.journal.begin_move(move_id, key, src, dst)
         status: Status = "failed"
@@ -415,7 +428,7 @@ class Executor:
                 if self.params.on_full == "refuse":
                     status = "skipped"
                     return status, f"no room in {dst} (on_full=refuse)", 0
-                if not self._make_room(dst, size, move_id, depth):
+                if not self._make_room(dst, size, move_id, depth, moving | {key}):
                     status = "skipped"
                     return status, f"no room in {dst}: cannot demote enough unpinned blocks", 0
             try:
@@ -438,14 +451,20 @@ class Executor:
             if status == "failed" or depth > 0:
                 self.journal.end_move(move_id)
 
-    def _make_room(self, tier: str, size: int, parent_id: str, depth: int) -> bool:
-        """Demote LRU unpinned blocks of ``tier`` one tier down until ``size`` fits."""
+    def _make_room(
+        self, tier: str, size: int, parent_id: str, depth: int, moving: frozenset[str] = frozenset()
+    ) -> bool:
+        """Demote LRU unpinned blocks of ``tier`` one tier down until ``size`` fits.
+        ``moving``: the blocks whose moves asked for this room (the whole cascade);
+        they are never picked as victims (the stripe lock is reentrant, so the lock
+        alone would not keep a block from being demoted from under its own promote,
+        which left an orphan copy the index no longer knew)."""
         rank = self._order.index(tier)
         if depth >= self.params.max_demote_depth or rank + 1 >= len(self._order):
             return False
         lower = self._order[rank + 1]
         target = self._tiers[tier]
-        tried: set[str] = set()
+        tried: set[str] = set(moving)
         while target.free_bytes < size:
             victim = self._pick_victim(tier, tried)
             if victim is None:
@@ -459,7 +478,7 @@ class Executor:
                     continue
                 demote_id = f"{parent_id}>demote:{victim}"
                 # A victim that cannot move is left where it is; the next one is tried.
-                self._move(victim, tier, lower, demote_id, depth + 1)
+                self._move(victim, tier, lower, demote_id, depth + 1, moving | {victim})
             finally:
                 lock.release()
         return True
@@ -534,8 +553,16 @@ class Executor:
         for name in self._order:
             for key in self._tiers[name].block_keys():
                 found.setdefault(key, []).append(name)
-        recovery = ExecutorRecovery(reports, num_torn_journal_lines=self.journal.num_torn_lines)
+        recovery = ExecutorRecovery(
+            reports,
+            num_torn_journal_lines=self.journal.num_torn_lines,
+            num_malformed_journal_records=self.journal.num_malformed_records,
+        )
         for move in self.journal.pending.values():
+            if move.src not in self._tiers or move.dst not in self._tiers:
+                # A tier removed from the configuration: nothing here to finish.
+                recovery.moves_ignored.append(move.move_id)
+                continue
             holders = found.get(move.key, [])
             if move.dst in holders and move.src in holders:
                 self._tiers[move.src].discard(move.key)

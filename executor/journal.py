@@ -10,7 +10,9 @@ Records, one JSON object per line:
   redelivery retries them;
 - ``{"p": key, "on": true|false}``: a block was pinned or unpinned.
 
-A torn last line (crash mid-append) is ignored. ``compact`` rewrites the file
+A torn last line (crash mid-append) is ignored. Any other line that is not a
+well-formed record (bad JSON, missing or mistyped fields, a move from a tier to
+itself) is skipped and copied to ``<journal>.quarantine``: start-up goes on. ``compact`` rewrites the file
 atomically with only the remembered ids (the newest ``max_ids``), the pins and the
 moves still pending; it runs after recovery and whenever the file has grown to
 ``compact_every`` records. Appends go straight to the kernel
@@ -21,12 +23,47 @@ moves still pending; it runs after recovery and whenever the file has grown to
 from __future__ import annotations
 
 import json
+import logging
 import os
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+log = logging.getLogger(__name__)
+
+_MAX_KEPT_LINE_BYTES = 4096
+_MAX_FIELD_CHARS = 512
+
+
+def _check_record(record: Any) -> str | None:
+    """None if ``record`` is a well-formed journal record, else what is wrong with it.
+    Only well-formed records are replayed: a bad one could otherwise stop start-up
+    (missing field) or mislead recovery (a move whose source is its destination would
+    have recovery delete the block's only copy)."""
+    if not isinstance(record, dict):
+        return "not a JSON object"
+
+    def text(name: str) -> bool:
+        value = record.get(name)
+        return isinstance(value, str) and 0 < len(value) <= _MAX_FIELD_CHARS
+
+    if "b" in record:
+        if not all(text(f) for f in ("b", "k", "f", "t")):
+            return "move record needs string fields b, k, f, t"
+        if record["f"] == record["t"]:
+            return f"move record from {record['f']!r} to itself"
+        return None
+    if "e" in record:
+        return None if text("e") else "end record needs a string e"
+    if "d" in record:
+        return None if text("d") and text("s") else "decision record needs strings d, s"
+    if "p" in record:
+        if not text("p") or not isinstance(record.get("on"), bool):
+            return "pin record needs a string p and a boolean on"
+        return None
+    return "unknown record kind"
 
 
 @dataclass(frozen=True)
@@ -60,26 +97,43 @@ class Journal:
         self.pending: dict[str, PendingMove] = {}
         self.pins: set[str] = set()
         self.num_torn_lines = 0
+        self.num_malformed_records = 0
+        """Complete lines that were not valid records: skipped at load and copied to
+        ``<journal>.quarantine``."""
         self._fd: int | None = None
         if self.path is not None:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             if self.path.exists():
-                self._load(self.path.read_bytes())
+                raw = self.path.read_bytes()
+                self._load(raw)
+                if raw and not raw.endswith(b"\n"):
+                    # Cut the torn tail, so the next append starts on a line of its own.
+                    os.truncate(self.path, raw.rfind(b"\n") + 1)
             self._fd = os.open(
                 self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o644
             )
 
     def _load(self, raw: bytes) -> None:
-        for line in raw.splitlines():
+        lines = raw.splitlines()
+        malformed: list[bytes] = []
+        for i, line in enumerate(lines):
             try:
                 record = json.loads(line)
-            except ValueError:
-                self.num_torn_lines += 1
-                continue
-            if not isinstance(record, dict):
-                self.num_torn_lines += 1
-                continue
-            self._replay(record)
+            except (ValueError, RecursionError):
+                record = None
+            problem = _check_record(record)
+            if problem is None:
+                self._replay(record)
+            elif i == len(lines) - 1 and not raw.endswith(b"\n"):
+                self.num_torn_lines += 1  # a crash mid-append: expected, nothing to keep
+            else:
+                malformed.append(line)
+                log.warning("journal %s line %d quarantined: %s", self.path, i + 1, problem)
+        self.num_malformed_records = len(malformed)
+        if malformed and self.path is not None:
+            # Kept for inspection; the next compaction drops them from the journal.
+            with open(self.path.with_name(self.path.name + ".quarantine"), "ab") as f:
+                f.write(b"".join(line[:_MAX_KEPT_LINE_BYTES] + b"\n" for line in malformed))
 
     def _replay(self, record: dict[str, Any]) -> None:
         if "b" in record:
@@ -120,6 +174,8 @@ class Journal:
         return decision_id in self._done
 
     def begin_move(self, move_id: str, key: str, src: str, dst: str) -> None:
+        if src == dst:
+            raise ValueError(f"move {move_id}: source and destination are both {src!r}")
         self._append({"b": move_id, "k": key, "f": src, "t": dst})
 
     def end_move(self, move_id: str) -> None:
