@@ -279,9 +279,13 @@ class ExecutorSink:
             self.outcomes[("store", self._store(*what))] += 1
 
     def flush(self) -> None:
-        """Applied synchronously in ``emit``; stores not yet applied go now."""
+        """Applied synchronously in ``emit``; stores not yet applied go now, then the
+        real executor's journal is synced once (group commit) before the source's
+        offsets are committed."""
         if self._stores:
             self.emit([])
+        if not self._sim:
+            self.executor.sync()
 
     def close(self) -> None:
         self.flush()
