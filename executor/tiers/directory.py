@@ -23,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import logging
+import mmap
 import os
 import stat
 import struct
@@ -65,6 +66,25 @@ class _Corrupt(Exception):
     pass
 
 
+_HUGE_PAGE_BYTES = 2 << 20
+_DIRECT_ALIGN = 4096
+
+
+def _payload_buffer(length: int) -> memoryview:
+    """A writable buffer for a block read from disk, which the reader keeps (a memory
+    tier holds it as the block). Large blocks get anonymous memory with transparent
+    huge pages: no zero-fill pass in user space and 512x fewer page faults as the read
+    fills it (a fresh ``bytearray`` costs a memset plus a fault per 4 KiB page: on a
+    2-core VM, 128 MB read at 0.25 GB/s from the page cache into a new bytearray, 1.2
+    GB/s into huge-page memory). The mapping is freed when the last view of it goes."""
+    if length < _HUGE_PAGE_BYTES:
+        return memoryview(bytearray(length))
+    area = mmap.mmap(-1, length, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    with contextlib.suppress(AttributeError, OSError):  # no THP: 4 KiB pages, still correct
+        area.madvise(mmap.MADV_HUGEPAGE)
+    return memoryview(area)
+
+
 @dataclass(frozen=True)
 class DirectoryTierParams(TierParams):
     root: str | Path = ""
@@ -84,6 +104,10 @@ class DirectoryTierParams(TierParams):
     1: one sequential read per block."""
     min_part_bytes: int = 4 << 20
     """Smallest part worth its own read; smaller blocks are read in one piece."""
+    direct_reads: bool = True
+    """Read blocks of 2 MiB and more with O_DIRECT (no page-cache copy: the CPU a
+    buffered read spends copying is most of a promote's). Filesystems without it
+    (tmpfs) fall back to buffered reads by themselves."""
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -233,8 +257,11 @@ class DirectoryTier(Tier):
         """Read and verify one block file; raises _Corrupt with the reason."""
         fd, length, crc = self._open_block(path)
         try:
-            buf = bytearray(length)
-            view = memoryview(buf)
+            if self.params.direct_reads and length >= _HUGE_PAGE_BYTES:
+                direct = self._read_direct(fd, path, length, crc)
+                if direct is not None:
+                    return direct
+            view = _payload_buffer(length)
             parts = self._parts(length)
             if len(parts) == 1:
                 crc_acc = self._read_range(fd, view, 0, length)
@@ -251,6 +278,61 @@ class DirectoryTier(Tier):
             return view.toreadonly(), crc
         finally:
             os.close(fd)
+
+    def _read_direct(
+        self, fd: int, path: str, length: int, crc: int
+    ) -> tuple[memoryview, int] | None:
+        """Read a large block with O_DIRECT: the device writes straight into the
+        (page-aligned, huge-page) buffer, skipping the page cache and its copy, which is
+        most of a buffered read's CPU. The whole file (header included) is read in
+        page-aligned parts, in parallel; the payload is a view past the header. None when
+        the filesystem refuses O_DIRECT (tmpfs): the caller reads buffered."""
+        try:
+            dfd = os.open(path, _OPEN_READ | os.O_DIRECT)
+        except OSError as exc:
+            if exc.errno == errno.EINVAL:
+                return None
+            raise _Corrupt(f"cannot open: {exc.strerror}") from exc
+        try:
+            st, opened = os.fstat(dfd), os.fstat(fd)
+            if (st.st_dev, st.st_ino) != (opened.st_dev, opened.st_ino):
+                raise _Corrupt("replaced while being read")
+            total = HEADER_BYTES + length
+            aligned = total + (-total % _DIRECT_ALIGN)
+            view = _payload_buffer(aligned)
+            parts = self._parts(aligned)
+
+            def read_part(start: int, end: int) -> int:
+                """Read file bytes [start, end) (stops at end of file); the CRC32C of the
+                payload bytes among them."""
+                done = start
+                while done < end:
+                    try:
+                        n = os.preadv(dfd, [view[done : min(done + _CHUNK_BYTES, end)]], done)
+                    except OSError as exc:
+                        raise _Corrupt(f"read failed: {exc.strerror}") from exc
+                    if n == 0:
+                        break
+                    done += n
+                lo, hi = max(start, HEADER_BYTES), min(end, total)
+                if done < hi:
+                    raise _Corrupt("truncated payload")
+                return checksum(view[lo:hi]) if hi > lo else 0
+
+            if len(parts) == 1:
+                crc_acc = read_part(0, aligned)
+            else:
+                futures = [self._pool().submit(read_part, a, b) for a, b in parts]
+                wait(futures)  # every part done before dfd is closed, even when one fails
+                crc_acc = 0
+                for (a, b), future in zip(parts, futures, strict=True):
+                    payload_bytes = max(0, min(b, total) - max(a, HEADER_BYTES))
+                    crc_acc = combine(crc_acc, future.result(), payload_bytes)
+            if crc_acc != crc:
+                raise _Corrupt("crc32c mismatch")
+            return view[HEADER_BYTES:total].toreadonly(), crc
+        finally:
+            os.close(dfd)
 
     def _verify_file(self, path: str) -> int:
         """Check one block file through its CRC32C without holding its payload (a

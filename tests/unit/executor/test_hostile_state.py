@@ -286,13 +286,15 @@ def test_checksum_of_parts_combines_to_the_whole(tmp_path: Path) -> None:
         assert combine(checksum(a), checksum(b), len(b)) == checksum(data)
 
 
-def test_parallel_part_reads_return_the_same_bytes(tmp_path: Path) -> None:
+@pytest.mark.parametrize("direct_reads", [True, False])
+def test_parallel_part_reads_return_the_same_bytes(tmp_path: Path, direct_reads: bool) -> None:
     params = DirectoryTierParams(
         capacity_bytes=1 << 26,
         root=tmp_path / "nvme",
         fsync=False,
         read_parts=4,
         min_part_bytes=4096,
+        direct_reads=direct_reads,
     )
     tier = DirectoryTier("nvme", params)
     data = os.urandom((3 << 20) + 123)  # not a multiple of the part size
