@@ -27,7 +27,9 @@ from __future__ import annotations
 import json
 import logging
 import os
+import stat
 import threading
+import time
 from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
@@ -118,6 +120,7 @@ class Journal:
         self._fd: int | None = None
         if self.path is not None:
             self.path.parent.mkdir(parents=True, exist_ok=True)
+            self._set_aside_if_not_a_file(self.path)
             if self.path.exists():
                 raw = self.path.read_bytes()
                 self._load(raw)
@@ -127,6 +130,20 @@ class Journal:
             self._fd = os.open(
                 self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o644
             )
+
+    @staticmethod
+    def _set_aside_if_not_a_file(path: Path) -> None:
+        """A journal path holding a FIFO, device, directory or link is moved aside (a
+        FIFO would hang the read) and the journal starts empty, with a warning."""
+        try:
+            mode = os.lstat(path).st_mode
+        except FileNotFoundError:
+            return
+        if stat.S_ISREG(mode):
+            return
+        aside = path.with_name(f"{path.name}.not-a-file.{time.time_ns()}")
+        log.warning("journal %s is not a regular file; moved to %s, starting empty", path, aside)
+        os.replace(path, aside)
 
     def _load(self, raw: bytes) -> None:
         lines = raw.splitlines()

@@ -308,3 +308,14 @@ def test_parallel_part_reads_return_the_same_bytes(tmp_path: Path, direct_reads:
     with pytest.raises(Exception, match="crc32c mismatch"):
         tier.read(1)
     tier.close()
+
+
+def test_a_fifo_in_place_of_the_journal_is_set_aside_not_read(tmp_path: Path) -> None:
+    (tmp_path / "state").mkdir()
+    os.mkfifo(tmp_path / "state" / "journal.jsonl")
+    ex = _in_thread(lambda: _executor(tmp_path, dram_kb=64, nvme_kb=64))
+    assert isinstance(ex, Executor)
+    assert ex.apply_one(Decision("after", 0, 1, "evict")).reason == "not cached"
+    ex.close()
+    names = sorted(p.name for p in (tmp_path / "state").iterdir())
+    assert names[0] == "journal.jsonl" and names[1].startswith("journal.jsonl.not-a-file.")
