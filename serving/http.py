@@ -202,6 +202,11 @@ class _LiveCollector(Collector):
             )
 
 
+class HealthServerError(OSError):
+    """The HTTP endpoints cannot listen where asked; the message names the address and
+    what to pass instead."""
+
+
 class _BoundedHTTPServer(HTTPServer):
     """An ``HTTPServer`` whose requests run on a fixed pool of ``num_workers`` threads,
     with at most ``max_pending`` connections accepted and not yet answered; more are
@@ -272,9 +277,16 @@ class HealthServer:
             )
         self.metrics = metrics
         handler = _handler(metrics, health, ready, timeout_s)
-        self._server = _BoundedHTTPServer(
-            (host, port), handler, num_workers=num_workers, max_pending=max_pending
-        )
+        try:
+            self._server = _BoundedHTTPServer(
+                (host, port), handler, num_workers=num_workers, max_pending=max_pending
+            )
+        except OSError as exc:
+            raise HealthServerError(
+                f"cannot listen for /healthz and /metrics on {host}:{port} ({exc.strerror or exc}); "
+                "another process (a second kvwarm serve?) may hold it: pass --http-port N, "
+                "--http-port 0 for any free port, or KVWARM_HTTP_ENABLED=false"
+            ) from None
         self.host = host
         self.port = int(self._server.server_address[1])
         self._thread = threading.Thread(
