@@ -222,10 +222,11 @@ class _BoundedHTTPServer(HTTPServer):
         num_workers: int,
         max_pending: int,
     ) -> None:
-        super().__init__(address, handler)
+        # Before binding: a failed bind calls server_close, which shuts the pool down.
         self._pool = ThreadPoolExecutor(num_workers, thread_name_prefix="kvwarm-http-worker")
         self._slots = threading.BoundedSemaphore(max_pending)
         self.num_refused = 0
+        super().__init__(address, handler)
 
     def process_request(self, request: Any, client_address: Any) -> None:
         """Called by ``serve_forever`` for each accepted connection."""
