@@ -18,6 +18,10 @@ BENCHES: dict[str, tuple[str, str]] = {
         "benchmarks.executor_promote:bench_executor",
         "Executor promote GB/s, serial vs parallel vs raw read of the same files.",
     ),
+    "executor-apply": (
+        "benchmarks.executor_apply:bench_executor_apply",
+        "Decisions/s the local executor applies in serve (journal on), group commit vs per record.",
+    ),
     "features": (
         "benchmarks.feature_state:features",
         "Feature state: block accesses/s for update and update+extraction, bytes per block, dataset build time.",

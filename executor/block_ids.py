@@ -42,6 +42,9 @@ def block_key(block_id: object) -> str:
 
     Ints map to 16 hex digits so that keys sort and round-trip (``key_to_block_id``).
     """
+    # Fast path (called several times per decision): a plain int in range.
+    if type(block_id) is int and 0 <= block_id <= MAX_BLOCK_HASH:
+        return f"{block_id:016x}"
     if isinstance(block_id, bool):
         raise InvalidBlockIdError(block_id, "booleans are not block ids")
     if isinstance(block_id, int):

@@ -10,23 +10,71 @@ Records, one JSON object per line:
   redelivery retries them;
 - ``{"p": key, "on": true|false}``: a block was pinned or unpinned.
 
-A torn last line (crash mid-append) is ignored. ``compact`` rewrites the file
+A torn last line (crash mid-append) is ignored. Any other line that is not a
+well-formed record (bad JSON, missing or mistyped fields, a move from a tier to
+itself) is skipped and copied to ``<journal>.quarantine``: start-up goes on. ``compact`` rewrites the file
 atomically with only the remembered ids (the newest ``max_ids``), the pins and the
 moves still pending; it runs after recovery and whenever the file has grown to
 ``compact_every`` records. Appends go straight to the kernel
 (``os.write`` on an ``O_APPEND`` descriptor), so a killed process loses none;
-``fsync=True`` also survives power loss.
+``fsync=True`` also survives power loss: per record, or with ``group_commit`` once per
+``sync()`` (a batch), so a power loss can lose at most the batch not yet synced
+(whose decisions are then redelivered, since the caller acknowledges only after sync).
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import os
+import stat
 import threading
+import time
 from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+log = logging.getLogger(__name__)
+
+_MAX_KEPT_LINE_BYTES = 4096
+_MAX_FIELD_CHARS = 512
+
+
+def _check_record(record: Any) -> str | None:
+    """None if ``record`` is a well-formed journal record, else what is wrong with it.
+    Only well-formed records are replayed: a bad one could otherwise stop start-up
+    (missing field) or mislead recovery (a move whose source is its destination would
+    have recovery delete the block's only copy)."""
+    if not isinstance(record, dict):
+        return "not a JSON object"
+
+    def text(name: str) -> bool:
+        value = record.get(name)
+        return isinstance(value, str) and 0 < len(value) <= _MAX_FIELD_CHARS
+
+    if "b" in record:
+        if not all(text(f) for f in ("b", "k", "f", "t")):
+            return "move record needs string fields b, k, f, t"
+        if record["f"] == record["t"]:
+            return f"move record from {record['f']!r} to itself"
+        return None
+    if "e" in record:
+        return None if text("e") else "end record needs a string e"
+    if "d" in record:
+        return None if text("d") and text("s") else "decision record needs strings d, s"
+    if "p" in record:
+        if not text("p") or not isinstance(record.get("on"), bool):
+            return "pin record needs a string p and a boolean on"
+        return None
+    return "unknown record kind"
+
+
+def _q(text: str) -> str:
+    """``text`` as a JSON string literal (ids are usually plain ASCII: no escaping)."""
+    if text.isascii() and text.isprintable() and '"' not in text and "\\" not in text:
+        return f'"{text}"'
+    return json.dumps(text)
 
 
 @dataclass(frozen=True)
@@ -45,13 +93,19 @@ class Journal:
         path: str | Path | None,
         *,
         fsync: bool = True,
+        group_commit: bool = False,
         max_ids: int = 1_000_000,
         compact_every: int = 200_000,
     ):
+        """``fsync``: make records survive power loss. ``group_commit``: do it once per
+        ``sync()`` (the caller's batch) instead of once per record."""
         if max_ids < 1:
             raise ValueError(f"max_ids must be >= 1, got {max_ids}")
         self.path = Path(path) if path is not None else None
         self.fsync = fsync
+        self.group_commit = group_commit
+        self._dirty = False
+        self.num_fsyncs = 0
         self.max_ids = max_ids
         self.compact_every = max(compact_every, 1)
         self._num_records = 0
@@ -60,26 +114,58 @@ class Journal:
         self.pending: dict[str, PendingMove] = {}
         self.pins: set[str] = set()
         self.num_torn_lines = 0
+        self.num_malformed_records = 0
+        """Complete lines that were not valid records: skipped at load and copied to
+        ``<journal>.quarantine``."""
         self._fd: int | None = None
         if self.path is not None:
             self.path.parent.mkdir(parents=True, exist_ok=True)
+            self._set_aside_if_not_a_file(self.path)
             if self.path.exists():
-                self._load(self.path.read_bytes())
+                raw = self.path.read_bytes()
+                self._load(raw)
+                if raw and not raw.endswith(b"\n"):
+                    # Cut the torn tail, so the next append starts on a line of its own.
+                    os.truncate(self.path, raw.rfind(b"\n") + 1)
             self._fd = os.open(
                 self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o644
             )
 
+    @staticmethod
+    def _set_aside_if_not_a_file(path: Path) -> None:
+        """A journal path holding a FIFO, device, directory or link is moved aside (a
+        FIFO would hang the read) and the journal starts empty, with a warning."""
+        try:
+            mode = os.lstat(path).st_mode
+        except FileNotFoundError:
+            return
+        if stat.S_ISREG(mode):
+            return
+        aside = path.with_name(f"{path.name}.not-a-file.{time.time_ns()}")
+        log.warning("journal %s is not a regular file; moved to %s, starting empty", path, aside)
+        os.replace(path, aside)
+
     def _load(self, raw: bytes) -> None:
-        for line in raw.splitlines():
+        lines = raw.splitlines()
+        malformed: list[bytes] = []
+        for i, line in enumerate(lines):
             try:
                 record = json.loads(line)
-            except ValueError:
-                self.num_torn_lines += 1
-                continue
-            if not isinstance(record, dict):
-                self.num_torn_lines += 1
-                continue
-            self._replay(record)
+            except (ValueError, RecursionError):
+                record = None
+            problem = _check_record(record)
+            if problem is None:
+                self._replay(record)
+            elif i == len(lines) - 1 and not raw.endswith(b"\n"):
+                self.num_torn_lines += 1  # a crash mid-append: expected, nothing to keep
+            else:
+                malformed.append(line)
+                log.warning("journal %s line %d quarantined: %s", self.path, i + 1, problem)
+        self.num_malformed_records = len(malformed)
+        if malformed and self.path is not None:
+            # Kept for inspection; the next compaction drops them from the journal.
+            with open(self.path.with_name(self.path.name + ".quarantine"), "ab") as f:
+                f.write(b"".join(line[:_MAX_KEPT_LINE_BYTES] + b"\n" for line in malformed))
 
     def _replay(self, record: dict[str, Any]) -> None:
         if "b" in record:
@@ -103,33 +189,57 @@ class Journal:
         while len(self._done) > self.max_ids:
             self._done.popitem(last=False)
 
-    def _append(self, record: dict[str, Any]) -> None:
+    def _append(self, record: dict[str, Any], line: bytes) -> None:
+        """Apply ``record`` in memory and append ``line`` (its encoding) to the file.
+        The write reaches the kernel before this returns, so a killed process loses no
+        record; the fsync (power loss) is per record or, with group commit, per sync()."""
         with self._lock:
             self._replay(record)
             if self._fd is None:
                 return
-            os.write(self._fd, json.dumps(record, separators=(",", ":")).encode() + b"\n")
+            os.write(self._fd, line)
             if self.fsync:
-                os.fsync(self._fd)
+                if self.group_commit:
+                    self._dirty = True
+                else:
+                    os.fsync(self._fd)
+                    self.num_fsyncs += 1
             self._num_records += 1
             if self._num_records >= self.compact_every:
                 self._rewrite()
+
+    def sync(self) -> None:
+        """Group commit: fsync the records appended since the last sync, once. Called
+        at the end of each batch (``Executor.apply``) and by callers before they
+        acknowledge what was applied (the sidecar's flush, before its offsets commit)."""
+        with self._lock:
+            if self._dirty and self._fd is not None:
+                os.fsync(self._fd)
+                self.num_fsyncs += 1
+            self._dirty = False
 
     # -- records ------------------------------------------------------------------
     def is_done(self, decision_id: str) -> bool:
         return decision_id in self._done
 
+    # Lines are formatted by hand (ids through json.dumps for escaping): the same JSON
+    # as json.dumps(record) gives, at a fraction of the cost per record.
     def begin_move(self, move_id: str, key: str, src: str, dst: str) -> None:
-        self._append({"b": move_id, "k": key, "f": src, "t": dst})
+        if src == dst:
+            raise ValueError(f"move {move_id}: source and destination are both {src!r}")
+        line = f'{{"b":{_q(move_id)},"k":{_q(key)},"f":{_q(src)},"t":{_q(dst)}}}\n'
+        self._append({"b": move_id, "k": key, "f": src, "t": dst}, line.encode())
 
     def end_move(self, move_id: str) -> None:
-        self._append({"e": move_id})
+        self._append({"e": move_id}, f'{{"e":{_q(move_id)}}}\n'.encode())
 
     def decision_done(self, decision_id: str, status: str) -> None:
-        self._append({"d": decision_id, "s": status})
+        line = f'{{"d":{_q(decision_id)},"s":{_q(status)}}}\n'
+        self._append({"d": decision_id, "s": status}, line.encode())
 
     def set_pin(self, key: str, pinned: bool) -> None:
-        self._append({"p": key, "on": pinned})
+        line = f'{{"p":{_q(key)},"on":{"true" if pinned else "false"}}}\n'
+        self._append({"p": key, "on": pinned}, line.encode())
 
     # -- maintenance ----------------------------------------------------------------
     def compact(self, drop_pending: bool = False) -> None:
@@ -167,6 +277,7 @@ class Journal:
         self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CLOEXEC)
 
     def close(self) -> None:
+        self.sync()
         with self._lock:
             if self._fd is not None:
                 os.close(self._fd)

@@ -4,7 +4,7 @@ Primitives:
 
 - ``Executor`` (a ``Protocol``): ``apply(decisions) -> list[Outcome]`` (a batch, in
   order), ``locate(block) -> tier name | None``, ``capacities()`` and ``occupancy()``
-  (per tier, blocks and bytes), ``health() -> dict``, ``close()``, ``tier_names``
+  (per tier, blocks and bytes), ``health() -> dict``, ``sync()``, ``close()``, ``tier_names``
   (fastest first), and ``store(block, tier, size_bytes)`` for an executor that stands
   in for the engine (it holds the blocks the engine computes).
 - ``Outcome``: what happened to one decision; ``status`` is one of ``OUTCOME_STATUSES``
@@ -133,6 +133,12 @@ class Executor(Protocol):
     def health(self) -> dict[str, Any]:
         """A JSON-ready summary for ``/health``: at least ``status`` ("ok" or a
         problem), ``tiers`` (the names), and ``num_decisions`` by outcome status."""
+        ...
+
+    def sync(self) -> None:
+        """Make everything applied so far durable (a journal fsync; a no-op where
+        nothing is kept). Called by the decision sink's ``flush``, before the source's
+        offsets are committed."""
         ...
 
     def close(self) -> None:

@@ -32,23 +32,12 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import ClassVar
 
-import crc32c
-
 from executor.block_ids import BlockId, block_key
+from executor.crc import checksum as checksum  # re-exported for the tiers
 from executor.names import check_tier_name
 
 Buffer = bytes | bytearray | memoryview
 """Block payloads: serialized KV tensors. Tiers return whichever avoids a copy."""
-
-
-def checksum(data: Buffer, value: int = 0) -> int:
-    """CRC32C (Castagnoli) of a payload, continuing from ``value`` (chunked reads).
-
-    The crc32c package uses the CPU's CRC instructions (several GB/s per core, ~3x
-    zlib's CRC32C) and releases the GIL on large buffers, so parallel moves checksum in
-    parallel. It detects the corruption tiers suffer (flipped bits,
-    torn or truncated writes); it is not meant to resist tampering."""
-    return int(crc32c.crc32c(data, value))
 
 
 class TierError(Exception):
@@ -158,9 +147,11 @@ class Tier(ABC):
 
     @property
     def free_bytes(self) -> int:
-        """Bytes a new write can still take, net of in-progress writes."""
+        """Bytes a new write can still take, net of in-progress writes; never negative
+        (a tier found over capacity at start, e.g. after its capacity was lowered,
+        has no room until blocks leave it)."""
         with self._lock:
-            return self.capacity_bytes - self._used_bytes - self._reserved_bytes
+            return max(0, self.capacity_bytes - self._used_bytes - self._reserved_bytes)
 
     def contains(self, block_id: BlockId) -> bool:
         return block_key(block_id) in self._sizes

@@ -354,7 +354,9 @@ class ExecutorSink:
             )
 
     def flush(self) -> None:
-        """Nothing buffered: ``emit`` applies synchronously."""
+        """``emit`` applied synchronously; the executor makes it durable now (the real
+        one: one journal fsync, group commit) before the source's offsets commit."""
+        self.executor.sync()
 
     def close(self) -> None:
         self.executor.close()

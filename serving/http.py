@@ -43,9 +43,11 @@ from __future__ import annotations
 
 import json
 import logging
+import socket
 import threading
 from collections.abc import Callable, Iterator, Mapping
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from concurrent.futures import ThreadPoolExecutor
+from http.server import BaseHTTPRequestHandler, HTTPServer
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Histogram, generate_latest
@@ -61,8 +63,6 @@ PostHandler = Callable[[bytes], tuple[int, dict[str, Any]]]
 """A POST route: request body -> (HTTP status, JSON reply)."""
 
 DEFAULT_MAX_BODY_BYTES = 16 << 20
-CLIENT_TIMEOUT_S = 30.0
-"""A client that stalls mid-request for this long is dropped."""
 
 LATENCY_BUCKETS_S = (1e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 5.0)
 
@@ -230,11 +230,56 @@ class HealthServerError(OSError):
     what to pass instead."""
 
 
+class _BoundedHTTPServer(HTTPServer):
+    """An ``HTTPServer`` whose requests run on a fixed pool of ``num_workers`` threads,
+    with at most ``max_pending`` connections accepted and not yet answered; more are
+    closed at once (counted in ``num_refused``). With the handler's socket timeout, a
+    client that connects and sends nothing holds a worker for ``timeout_s`` at most,
+    and 300 such clients hold ``num_workers`` threads, not 300."""
+
+    def __init__(
+        self,
+        address: tuple[str, int],
+        handler: type[BaseHTTPRequestHandler],
+        *,
+        num_workers: int,
+        max_pending: int,
+    ) -> None:
+        # Before binding: a failed bind calls server_close, which shuts the pool down.
+        self._pool = ThreadPoolExecutor(num_workers, thread_name_prefix="kvwarm-http-worker")
+        self._slots = threading.BoundedSemaphore(max_pending)
+        self.num_refused = 0
+        super().__init__(address, handler)
+
+    def process_request(self, request: Any, client_address: Any) -> None:
+        """Called by ``serve_forever`` for each accepted connection."""
+        if not self._slots.acquire(blocking=False):
+            self.num_refused += 1
+            self.shutdown_request(request)
+            return
+        self._pool.submit(self._work, request, client_address)
+
+    def _work(self, request: socket.socket, client_address: Any) -> None:
+        try:
+            self.finish_request(request, client_address)
+        except Exception:
+            self.handle_error(request, client_address)
+        finally:
+            self.shutdown_request(request)
+            self._slots.release()
+
+    def server_close(self) -> None:
+        super().server_close()
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+
 class HealthServer:
     """``/healthz``, ``/readyz``, ``/metrics`` in a daemon thread.
 
     ``health()`` returns the JSON body of /healthz; ``ready()`` says whether /readyz is
-    200. Port 0 picks a free port (``port`` tells which).
+    200. Port 0 picks a free port (``port`` tells which). Bounded: ``num_workers``
+    threads answer, ``max_pending`` connections wait at most, and a connection that
+    sends no complete request within ``timeout_s`` is dropped.
     """
 
     def __init__(
@@ -247,18 +292,27 @@ class HealthServer:
         port: int = 9464,
         posts: Mapping[str, PostHandler] | None = None,
         max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+        timeout_s: float = 5.0,
+        num_workers: int = 4,
+        max_pending: int = 64,
     ) -> None:
+        if not timeout_s > 0 or num_workers < 1 or max_pending < num_workers:
+            raise ValueError(
+                f"need timeout_s > 0, num_workers >= 1, max_pending >= num_workers; got "
+                f"{timeout_s}, {num_workers}, {max_pending}"
+            )
         self.metrics = metrics
-        handler = _handler(metrics, health, ready, dict(posts or {}), max_body_bytes)
+        handler = _handler(metrics, health, ready, dict(posts or {}), max_body_bytes, timeout_s)
         try:
-            self._server = ThreadingHTTPServer((host, port), handler)
+            self._server = _BoundedHTTPServer(
+                (host, port), handler, num_workers=num_workers, max_pending=max_pending
+            )
         except OSError as exc:
             raise HealthServerError(
                 f"cannot listen for /healthz and /metrics on {host}:{port} ({exc.strerror or exc}); "
                 "another process (a second kvwarm serve?) may hold it: pass --http-port N, "
                 "--http-port 0 for any free port, or KVWARM_HTTP_ENABLED=false"
             ) from None
-        self._server.daemon_threads = True
         self.host = host
         self.port = int(self._server.server_address[1])
         self._thread = threading.Thread(
@@ -285,9 +339,10 @@ def _handler(
     ready: Callable[[], bool],
     posts: dict[str, PostHandler],
     max_body_bytes: int,
+    timeout_s: float,
 ) -> type[BaseHTTPRequestHandler]:
     class Handler(BaseHTTPRequestHandler):
-        timeout = CLIENT_TIMEOUT_S
+        timeout = timeout_s  # socket timeout for reading the request and writing the answer
 
         def do_POST(self) -> None:  # noqa: N802 - http.server's name
             route = posts.get(self.path.split("?", 1)[0])

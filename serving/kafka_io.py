@@ -18,6 +18,7 @@ Primitives:
   (the first block hash) so a session's requests stay in one partition, in order.
 - ``ensure_topics``: create topics with chosen partition counts (admin client).
 - ``read_topic``: read a topic from the beginning without a group (dead letters).
+- ``KafkaChangelog``: a compacted topic holding ``serving.state_store`` snapshots.
 - ``KafkaSecurity``: SASL/TLS settings passed through to every client.
 
 Every client connects with bounded retries; when no broker answers,
@@ -31,7 +32,7 @@ import socket
 import threading
 import time
 from collections import Counter, deque
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Literal, Protocol, TypeVar
@@ -234,10 +235,12 @@ def ensure_topics(
     topics: Mapping[str, int],
     *,
     replication_factor: int = 1,
+    configs: Mapping[str, Mapping[str, str]] | None = None,
     security: KafkaSecurity | None = None,
     options: ConnectOptions = ConnectOptions(),
 ) -> list[str]:
-    """Create each missing topic with its partition count; returns the names created.
+    """Create each missing topic with its partition count (and ``configs[topic]``, e.g.
+    ``{"cleanup.policy": "compact"}``); returns the names created.
 
     Existing topics are left as they are (a warning if they have fewer partitions than
     asked: Kafka can add partitions but that moves keys, so kvwarm never does it).
@@ -265,6 +268,7 @@ def ensure_topics(
                         name: {
                             "num_partitions": partitions,
                             "replication_factor": replication_factor,
+                            "configs": dict((configs or {}).get(name, {})),
                         }
                     },
                     wait_for_metadata=True,
@@ -644,6 +648,51 @@ class _Producer:
             self.flush(timeout_s)
         finally:
             self._producer.close(timeout=timeout_s)
+
+
+class KafkaChangelog(_Producer):
+    """A ``serving.state_store.Changelog`` over a compacted topic (one partition, so
+    records replay in the order they were written). ``append`` returns once the broker
+    acknowledged every record; ``replay`` reads the topic from its beginning."""
+
+    def __init__(
+        self,
+        bootstrap: str,
+        topic: str,
+        *,
+        security: KafkaSecurity | None = None,
+        options: ConnectOptions = ConnectOptions(),
+    ) -> None:
+        ensure_topics(
+            bootstrap,
+            {topic: 1},
+            configs={topic: {"cleanup.policy": "compact"}},
+            security=security,
+            options=options,
+        )
+        super().__init__(
+            "changelog producer",
+            bootstrap,
+            topic,
+            client_id="kvwarm-changelog",
+            linger_ms=0,
+            security=security,
+            options=options,
+        )
+        self._security = security
+        self._options = options
+
+    def append(self, records: Iterable[tuple[bytes, bytes | None]]) -> None:
+        for key, value in records:
+            self.send_record(value, key=key, partition=0)
+        self.flush()
+
+    def replay(self) -> Iterator[tuple[bytes, bytes | None]]:
+        for record in read_topic(
+            self.bootstrap, self.topic, security=self._security, options=self._options
+        ):
+            if record.key is not None:
+                yield record.key, record.value
 
 
 class SupportsToDict(Protocol):

@@ -423,6 +423,9 @@ class LMCacheExecutor:
             "blocks_indexed": len(self.tokens),
         }
 
+    def sync(self) -> None:
+        """Nothing to make durable here: LMCache acknowledged each call as it returned."""
+
     def close(self) -> None:
         """Nothing held open: every call is its own HTTP request."""
 

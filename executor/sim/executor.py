@@ -356,6 +356,9 @@ class SimulatedExecutor:
         reason = "" if status == "applied" else f"{status}: {tier}"
         return Outcome("write", status, reason, block, None, tier, self.block_bytes)  # type: ignore[arg-type]
 
+    def sync(self) -> None:
+        """Nothing is kept on disk."""
+
     def close(self) -> None:
         """Nothing to release."""
 

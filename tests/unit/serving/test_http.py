@@ -129,3 +129,46 @@ def test_healthz_reports_degraded_with_the_reason(tmp_path, trace_with_bad_rows)
     assert "policy.json" in health["reason"] and health["model"] == str(model)
     assert metrics["kvwarm_model_degraded"][0].value == 1
     assert service.sidecar.stats.events >= 100
+
+
+def test_half_open_connections_hold_a_bounded_number_of_threads() -> None:
+    import socket
+    import threading
+    import time
+
+    from serving.http import HealthServer, SidecarMetrics
+
+    before = threading.active_count()
+    server = HealthServer(
+        SidecarMetrics(),
+        lambda: {"status": "ok"},
+        lambda: True,
+        port=0,
+        timeout_s=0.2,
+        num_workers=4,
+        max_pending=16,
+    ).start()
+    idle: list[socket.socket] = []
+    try:
+        for _ in range(300):  # connect, send nothing
+            idle.append(socket.create_connection(("127.0.0.1", server.port), timeout=10))
+        # While they wait: the server thread plus its workers, not one per connection.
+        most = 0
+        for _ in range(20):
+            most = max(most, threading.active_count() - before)
+            time.sleep(0.05)
+        assert most <= 1 + 4
+        # Once the idle connections time out, the server answers again.
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                status, body = _get(f"{server.url}/healthz")
+                break
+            except OSError:
+                assert time.monotonic() < deadline, "healthz never answered again"
+                time.sleep(0.2)
+        assert status == 200 and json.loads(body) == {"status": "ok"}
+    finally:
+        for sock in idle:
+            sock.close()
+        server.close()

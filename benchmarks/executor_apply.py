@@ -1,0 +1,193 @@
+"""``kvwarm bench executor-apply``: decisions per second the real executor applies
+inside ``kvwarm serve --executor local:CONFIG`` on the shared trace, journal on.
+
+The sidecar runs on the first ``--events`` requests (event clock, LRU) with the
+executor built from ``--config`` (default: the repository's sample ``executor.toml``,
+copied into a temp dir so its tiers and journal land there). Time spent applying
+decisions (the executor sink's ``emit`` and ``flush``) is measured in wall and CPU
+seconds, with the number of journal fsyncs. The baseline, in the same process: the
+same run with the journal not fsynced at all (the most group commit could reach);
+optionally one fsync per journal record (as before group commit) on the first
+``--baseline-events`` requests.
+"""
+
+from __future__ import annotations
+
+import gzip
+import itertools
+import shutil
+import tempfile
+import time
+import tomllib
+from pathlib import Path
+from typing import Any
+
+import click
+
+from benchmarks.traces import shared_trace_path
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+
+
+def _write_config(src: Path, dst_dir: Path, journal: str) -> Path:
+    """``src`` with the journal mode set: "group" (fsync per batch), "record" (fsync per
+    record) or "off" (no fsync)."""
+    text = src.read_text()
+    config = tomllib.loads(text)  # validate before editing
+    if "executor" not in config:
+        raise click.ClickException(f"{src}: no [executor] table")
+    lines = [
+        ln
+        for ln in text.splitlines()
+        if not ln.strip().startswith(("group_commit", "fsync_journal"))
+    ]
+    out: list[str] = []
+    for line in lines:
+        out.append(line)
+        if line.strip() == "[executor]":
+            out.append(f"fsync_journal = {'false' if journal == 'off' else 'true'}")
+            out.append(f"group_commit = {'true' if journal == 'group' else 'false'}")
+    path = dst_dir / "executor.toml"
+    path.write_text("\n".join(out) + "\n")
+    return path
+
+
+def _run(config: Path, trace: Path, block_size_bytes: int, target_ms: float) -> dict[str, Any]:
+    from serving.serve_cli import Service
+    from serving.settings import load_settings
+
+    settings = load_settings(
+        None,
+        source=f"file:{trace}",
+        executor=f"local:{config}",
+        clock="event",
+        http_enabled=False,
+        model_poll_interval_s=0,
+        block_size_bytes=block_size_bytes,
+        target_batch_latency_ms=target_ms,
+    )
+    service = Service(settings)
+    sink = service.executor_sink
+    assert sink is not None
+    spent = {"wall": 0.0, "cpu": 0.0}
+
+    def timed(fn: Any) -> Any:
+        def wrapper(*args: Any) -> Any:
+            wall, cpu = time.perf_counter(), time.process_time()
+            try:
+                return fn(*args)
+            finally:
+                spent["wall"] += time.perf_counter() - wall
+                spent["cpu"] += time.process_time() - cpu
+
+        return wrapper
+
+    sink.emit = timed(sink.emit)  # type: ignore[method-assign]
+    sink.flush = timed(sink.flush)  # type: ignore[method-assign]
+    try:
+        stats = service.run()
+    finally:
+        service.close()
+    num = sum(n for (action, _), n in sink.outcomes.items() if action != "store")
+    return {
+        "events": stats.events,
+        "decisions": num,
+        "stores": sum(n for (action, _), n in sink.outcomes.items() if action == "store"),
+        "wall_s": spent["wall"],
+        "cpu_s": spent["cpu"],
+        "fsyncs": service.executor.journal.num_fsyncs,
+        "per_s": num / spent["wall"] if spent["wall"] else 0.0,
+        "per_cpu_s": num / spent["cpu"] if spent["cpu"] else 0.0,
+    }
+
+
+def _head(trace: Path, n: int, dst: Path) -> Path:
+    """The trace's first ``n`` lines, as they are (gzip or plain)."""
+    opener = gzip.open if trace.suffix == ".gz" else open
+    with opener(trace, "rb") as src, dst.open("wb") as out:
+        out.writelines(itertools.islice(src, n))
+    return dst
+
+
+@click.command("executor-apply")
+@click.option("--events", default=500, show_default=True, type=click.IntRange(1, 100_000))
+@click.option(
+    "--baseline-events",
+    default=0,
+    show_default=True,
+    type=click.IntRange(0, 100_000),
+    help="Also run one fsync per journal record on this many requests (slow: ~2 fsyncs "
+    "per move; 0: skip it).",
+)
+@click.option(
+    "--config",
+    type=click.Path(dir_okay=False, exists=True, path_type=Path),
+    default=REPO_ROOT / "executor.toml",
+    show_default=True,
+)
+@click.option("--block-size-bytes", default=65536, show_default=True, type=click.IntRange(1))
+@click.option(
+    "--target-batch-latency-ms",
+    default=300.0,
+    show_default=True,
+    help="The sidecar's batch target: one journal fsync per batch.",
+)
+def bench_executor_apply(
+    events: int,
+    baseline_events: int,
+    config: Path,
+    block_size_bytes: int,
+    target_batch_latency_ms: float,
+) -> None:
+    """Decisions/s applied by the local executor in serve, group commit vs per record."""
+    trace = shared_trace_path()
+    if trace is None:
+        raise click.ClickException("the shared trace is missing (set KVWARM_SHARED_TRACE)")
+    work = Path(tempfile.mkdtemp(prefix="kvwarm-bench-apply-"))
+    try:
+        rows = []
+        for label, n, journal in (
+            ("group commit", events, "group"),
+            ("no fsync", events, "off"),
+            ("per record", baseline_events, "record"),
+        ):
+            if not n:
+                continue
+            run_dir = work / label.replace(" ", "-")
+            run_dir.mkdir()
+            path = _write_config(config, run_dir, journal)
+            rows.append(
+                (
+                    label,
+                    _run(
+                        path,
+                        _head(trace, n, run_dir / "t.jsonl"),
+                        block_size_bytes,
+                        target_batch_latency_ms,
+                    ),
+                )
+            )
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    click.echo(
+        "decisions: promote/demote/evict applied by the executor; stores: blocks the "
+        "engine stand-in wrote; per s: decisions per second of time spent applying both."
+    )
+    click.echo(
+        f"local executor from {config.name}, {block_size_bytes} B blocks, batch target "
+        f"{target_batch_latency_ms:g} ms"
+    )
+    click.echo(
+        f"{'journal':>13} {'events':>7} {'decisions':>10} {'stores':>7} {'fsyncs':>7} {'wall s':>7} "
+        f"{'CPU s':>6} {'per s':>8} {'per CPU s':>10}"
+    )
+    for label, r in rows:
+        click.echo(
+            f"{label:>13} {r['events']:>7} {r['decisions']:>10} {r['stores']:>7} {r['fsyncs']:>7} "
+            f"{r['wall_s']:>7.2f} {r['cpu_s']:>6.2f} {r['per_s']:>8.0f} {r['per_cpu_s']:>10.0f}"
+        )
+    if len(rows) >= 2 and rows[1][1]["per_s"]:
+        click.echo(
+            "journal fsynced with group commit / journal not fsynced: "
+            f"{rows[0][1]['per_s'] / rows[1][1]['per_s']:.2f}x decisions/s"
+        )
