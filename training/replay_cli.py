@@ -197,6 +197,13 @@ _common = [
     ),
     click.option("--no-peers", is_flag=True, help="Skip the libCacheSim policies."),
     click.option(
+        "--guard/--no-guard",
+        default=True,
+        show_default=True,
+        help="Serve learned policies behind the online guard (ghost caches of the model, "
+        "LRU and LFU; the best one serves), as kvwarm serve does.",
+    ),
+    click.option(
         "--out",
         "out_dir",
         type=click.Path(file_okay=False, path_type=Path),
@@ -226,9 +233,11 @@ def comparison_options(fn: Any) -> Any:
         load: float,
         modes: str,
         no_peers: bool,
+        guard: bool,
         **kwargs: Any,
     ) -> Any:
         config = _config(policies, capacities, train_fraction, profile, load, modes, no_peers)
+        config.guard = guard
         return fn(*args, config=config, **kwargs)
 
     for option in reversed(_common):

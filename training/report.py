@@ -68,6 +68,8 @@ class ComparisonConfig:
     peers: bool = True
     eviction_sample: int = 64
     seed: int = 0
+    guard: bool = True
+    """Serve learned policies behind the online guard (``predictor.guard``), as serving does."""
 
 
 @dataclass
@@ -125,6 +127,32 @@ def _fresh(
     return clone
 
 
+GUARD_WARMUP_REQUESTS = 2_000
+"""The guard's ghost caches are warmed on this many last training requests (the
+candidates on all of it); its choice is made before the replayed part starts."""
+
+
+def _guarded(
+    name: str,
+    capacity_blocks: int,
+    trained: dict[str, Policy],
+    future: FutureAccesses,
+    warm_head: dict[str, Policy],
+    train: Sequence[BlocksAccessed],
+) -> Policy:
+    """``name`` behind the online guard for a fast tier of ``capacity_blocks``: the
+    candidates observe the training part batched up to its last
+    ``GUARD_WARMUP_REQUESTS`` requests, the guard (ghosts included) the rest."""
+    from predictor.guard import GuardedPolicy, GuardParams
+
+    cut = max(0, len(train) - GUARD_WARMUP_REQUESTS)
+    head, tail = train[:cut], train[cut:]
+    candidates = {n: _fresh(n, trained, future, warm_head, head) for n in (name, "lru", "lfu")}
+    guard = GuardedPolicy(GuardParams(capacity_blocks=capacity_blocks), candidates)
+    guard.observe_many(tail)
+    return guard
+
+
 def run_comparison(
     events: Sequence[BlocksAccessed],
     config: ComparisonConfig,
@@ -175,6 +203,13 @@ def run_comparison(
         else FutureAccesses(access_arrays([]))
     )
     warm: dict[str, Policy] = {}
+    warm_head: dict[str, Policy] = {}
+
+    def fresh(name: str, capacity_blocks: int) -> Policy:
+        if config.guard and name in LEARNED:
+            return _guarded(name, capacity_blocks, trained, future, warm_head, train)
+        return _fresh(name, trained, future, warm, train)
+
     from serving.planner import PlannerParams
 
     planner = PlannerParams(eviction_sample=config.eviction_sample, seed=config.seed)
@@ -185,15 +220,14 @@ def run_comparison(
             refs = reference_hit_ratios(test, capacity)
             rows: dict[str, float] = {}
             seconds: dict[str, float] = {}
+            guard_choice: dict[str, Any] = {}
             for name in config.policies:
-                result = replay_single_tier(
-                    _fresh(name, trained, future, warm, train),
-                    test,
-                    capacity,
-                    planner_params=planner,
-                )
+                policy = fresh(name, capacity)
+                result = replay_single_tier(policy, test, capacity, planner_params=planner)
                 rows[name] = result.hit_ratio
                 seconds[name] = result.seconds
+                if "guard" in policy.online_status():
+                    guard_choice[name] = policy.online_status()["guard"]
             peers: dict[str, Any] = {}
             if config.peers:
                 peers = _peer_ratios(test, capacity)
@@ -204,6 +238,7 @@ def run_comparison(
                     "references": refs,
                     "policies": rows,
                     "policy_seconds": seconds,
+                    "guard": guard_choice,
                     "peers": peers,
                     "gap_closed": {
                         name: gap_closed(v, refs["lru_exact"], refs["belady"])
@@ -229,9 +264,7 @@ def run_comparison(
                 )
             ]
             for name in config.policies:
-                results.append(
-                    replay_tiered(_fresh(name, trained, future, warm, train), test, setup)
-                )
+                results.append(replay_tiered(fresh(name, capacity), test, setup, label=name))
             base = results[0]
             base_p50 = base.ttft_percentiles()["p50"]
             for r in results:
