@@ -32,13 +32,13 @@ test: install kafka-jars
 	$(PY) -m pytest $(PYTEST_ARGS)
 
 lint: install
-	$(VENV)/bin/ruff check features predictor training serving executor tests
-	$(VENV)/bin/ruff format --check features predictor training serving executor tests
+	$(VENV)/bin/ruff check features predictor training serving executor benchmarks devtools tests
+	$(VENV)/bin/ruff format --check features predictor training serving executor benchmarks devtools tests
 	$(VENV)/bin/mypy
 
 format: install
-	$(VENV)/bin/ruff format features predictor training serving executor tests
-	$(VENV)/bin/ruff check --fix features predictor training serving executor tests
+	$(VENV)/bin/ruff format features predictor training serving executor benchmarks devtools tests
+	$(VENV)/bin/ruff check --fix features predictor training serving executor benchmarks devtools tests
 
 bench: install
 	$(KVWARM) bench all

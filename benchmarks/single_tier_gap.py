@@ -4,7 +4,7 @@ Trains on the first 60% (by time) of the shared Mooncake conversation trace, rep
 the last 40% from an empty cache at 1%, 5% and 10% of its distinct blocks through the
 one planner, and prints hit ratios next to exact LRU and Belady.
 
-Run: .venv/bin/python benchmarks/single_tier_gap.py [lightgbm|lstm] [horizon_ms]
+Run: .venv/bin/python -m benchmarks.single_tier_gap [lightgbm|lstm] [horizon_ms]
 """
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ from __future__ import annotations
 import copy
 import sys
 import time
-from pathlib import Path
 
+from benchmarks.traces import shared_trace_path
 from features.decoders import read_trace
 from training.replay import (
     distinct_blocks,
@@ -25,19 +25,16 @@ from training.replay import (
 )
 from training.train import fit_policy_on_events
 
-TRACE = (
-    Path(__file__).resolve().parents[1]
-    / ".."
-    / "shared"
-    / "traces"
-    / "mooncake_conversation_trace.jsonl.gz"
-)
-
 
 def main() -> None:
     model = sys.argv[1] if len(sys.argv) > 1 else "lightgbm"
     horizon_ms = int(sys.argv[2]) if len(sys.argv) > 2 else 60_000
-    events = spread_ties(list(read_trace(TRACE)))
+    trace = shared_trace_path()
+    if trace is None:
+        sys.exit(
+            "the shared trace is missing: put it in ../shared/traces or set KVWARM_SHARED_TRACE"
+        )
+    events = spread_ties(list(read_trace(trace)))
     train, test = split_events(events, 0.6)
     t = time.time()
     pol = fit_policy_on_events(model, train, quick=False, horizon_ms=horizon_ms)

@@ -4,6 +4,9 @@ Each subcommand lives in the module that owns its job and is imported only when 
 runs, so ``kvwarm --help`` and ``kvwarm stats`` never import torch, LightGBM,
 MLflow or kafka-python. To add one, put a ``click.Command`` in its module and add a
 line to ``COMMANDS``.
+
+This table is the one place where ``serving`` names the packages above it (``training``,
+``benchmarks``, ``devtools``): by string, imported only when their command runs.
 """
 
 from __future__ import annotations
@@ -21,12 +24,12 @@ COMMANDS: dict[str, tuple[str, str]] = {
         "Write a synthetic serving trace (Mooncake JSONL).",
     ),
     "stats": ("features.stats_cli:stats", "Print a trace's statistics and LRU/Belady hit ratios."),
-    "bench": ("serving.bench_cli:bench", "Run benchmarks (ratios against same-process baselines)."),
+    "bench": ("benchmarks.cli:bench", "Run benchmarks (ratios against same-process baselines)."),
     "train": (
         "training.train_cli:train",
         "Train a LightGBM/LSTM policy, compare with baselines, log to MLflow.",
     ),
-    "kafka": ("serving.kafka_cli:kafka", "Run a local Kafka broker: up, down, status, fetch."),
+    "kafka": ("devtools.kafka_cli:kafka", "Run a local Kafka broker: up, down, status, fetch."),
     "produce": (
         "serving.kafka_cli:produce",
         "Replay a trace into a Kafka topic (real time, scaled, capped).",

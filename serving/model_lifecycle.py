@@ -80,7 +80,9 @@ def mlflow_resolver(tracking_uri: str | None = None) -> Resolver:
     """A resolver through ``training.tracking`` (imported on first use)."""
 
     def resolve(uri: str, scratch: Path) -> tuple[Path, str]:
-        from training import tracking  # the only mlflow importer; lazy on purpose
+        # The one allowed upward import of serving (the other is the CLI command table):
+        # training.tracking is the only MLflow importer, loaded lazily on first use.
+        from training import tracking
 
         version_of = getattr(tracking, "model_version_for_uri", None)
         directory = tracking.resolve_policy_dir(uri, dst=scratch, store_uri=tracking_uri)

@@ -2,7 +2,7 @@
 
 ``kafka_bootstrap`` is the broker every Kafka test shares: ``$KVWARM_KAFKA_BOOTSTRAP``
 when set, else one broker started (once per session) through
-``serving.kafka_broker`` in a temporary state dir and stopped at the end. With CI=true
+``devtools.kafka_broker`` in a temporary state dir and stopped at the end. With CI=true
 a broker that cannot start fails the run; elsewhere the Kafka tests are skipped with
 the reason (no Java or Maven on a laptop).
 """
@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from serving.kafka_broker import KafkaBroker, KafkaBrokerError
+from devtools.kafka_broker import KafkaBroker, KafkaBrokerError
 
 
 def pytest_configure(config: pytest.Config) -> None:

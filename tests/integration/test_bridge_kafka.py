@@ -15,6 +15,7 @@ import msgspec
 import pytest
 from click.testing import CliRunner
 
+from devtools.vllm_engine import POSITIONAL, TAGGED, EnginePublisher, VllmStructs, encode_batch
 from features.decoders import decode_kv_event_batch, decode_message
 from features.events import AllBlocksCleared
 from serving.bridge import (
@@ -30,7 +31,6 @@ from serving.kafka_io import (
     ensure_topics,
     read_topic,
 )
-from serving.zmq_bench import POSITIONAL, TAGGED, EnginePublisher, VllmStructs, encode_batch
 from serving.zmq_source import ZmqSubscriber, parse_zmq_url
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(180)]

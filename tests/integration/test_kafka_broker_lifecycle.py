@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from serving.kafka_broker import KafkaBroker, is_our_broker, port_accepts
+from devtools.kafka_broker import KafkaBroker, is_our_broker, port_accepts
 
 pytestmark = pytest.mark.integration
 
@@ -49,7 +49,7 @@ def test_cli_up_status_down(tmp_path: Path) -> None:
 
 STARTER = """
 import sys, time
-from serving.kafka_broker import KafkaBroker
+from devtools.kafka_broker import KafkaBroker
 broker = KafkaBroker(sys.argv[1], heap_mb=256, die_with_parent=True)
 broker.start()
 print(broker.status().pid, broker.config().port, flush=True)

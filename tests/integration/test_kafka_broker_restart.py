@@ -13,8 +13,8 @@ from collections.abc import Callable
 
 import pytest
 
+from devtools.kafka_broker import KafkaBroker
 from features.events import BlocksAccessed
-from serving.kafka_broker import KafkaBroker
 from serving.kafka_io import KafkaEventProducer, KafkaEventSource, ensure_topics
 
 pytestmark = pytest.mark.integration

@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 
+from devtools.kafka_broker import free_port
 from features.decoders import read_trace
 from features.events import BlocksAccessed
-from serving.kafka_broker import free_port
 from serving.kafka_io import (
     ConnectOptions,
     KafkaDecisionSink,

@@ -198,7 +198,7 @@ def test_print_settings_shows_effective_values_and_hides_secrets():
 def test_engine_residency_over_zmq_is_mirrored_by_the_sidecar():
     import threading
 
-    from serving.zmq_bench import TAGGED, EnginePublisher
+    from devtools.vllm_engine import TAGGED, EnginePublisher
 
     s = TAGGED
 

@@ -11,9 +11,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from devtools.vllm_engine import TAGGED, EnginePublisher, encode_batch
 from features.decoders import decode_kv_event_batch
 from features.events import EventValidationError, Tier
-from serving.zmq_bench import TAGGED, EnginePublisher, encode_batch
 from serving.zmq_source import ZmqEventSource
 
 pytestmark = pytest.mark.timeout(60)

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 import msgspec
 import pytest
 
+from devtools.vllm_engine import POSITIONAL, TAGGED, EnginePublisher, VllmStructs
 from features.decoders import decode_message
 from features.events import AllBlocksCleared, BlockRemoved, BlockStored, Tier
 from serving.bridge import (
@@ -25,7 +26,6 @@ from serving.bridge import (
     parse_kafka_url,
 )
 from serving.kafka_io import HEADER_REASON
-from serving.zmq_bench import POSITIONAL, TAGGED, EnginePublisher, VllmStructs
 from serving.zmq_source import ZmqSubscriber, parse_zmq_url
 
 pytestmark = pytest.mark.timeout(60)

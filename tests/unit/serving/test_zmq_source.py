@@ -7,10 +7,10 @@ from collections.abc import Callable, Iterator
 
 import pytest
 
+from devtools.vllm_engine import POSITIONAL, TAGGED, EnginePublisher, VllmStructs, encode_batch
 from features.decoders import decode_kv_event_batch
 from features.events import AllBlocksCleared, BlockRemoved, BlockStored, Tier
 from serving.sources import EventSource
-from serving.zmq_bench import POSITIONAL, TAGGED, EnginePublisher, VllmStructs, encode_batch
 from serving.zmq_source import (
     EngineEndpoint,
     Residency,

@@ -142,7 +142,7 @@ def _print(results: list[RunResult], baseline: RunResult) -> None:
 
 
 def _kafka_up(bootstrap: str) -> bool:
-    from serving.kafka_broker import port_accepts
+    from devtools.kafka_broker import port_accepts
 
     host, _, port = bootstrap.rpartition(":")
     try:

@@ -1,8 +1,9 @@
 """``kvwarm bench NAME``: benchmarks (not tests). Each prints ratios against a baseline
 run in the same process, so figures compare across noisy shared machines.
 
-To add one, put a ``click.Command`` in the module that owns the subject and add a line
-to ``BENCHES``. ``kvwarm bench all`` runs every one in turn.
+One module per subcommand in this package (the shared-trace lookup is
+``benchmarks.traces``). To add one, put a ``click.Command`` in a new module here and add
+a line to ``BENCHES``. ``kvwarm bench all`` runs every one in turn.
 """
 
 from __future__ import annotations
@@ -14,27 +15,27 @@ import click
 # name -> ("module:attribute", one-line help)
 BENCHES: dict[str, tuple[str, str]] = {
     "executor": (
-        "executor.bench:bench_executor",
+        "benchmarks.executor_promote:bench_executor",
         "Executor promote GB/s, serial vs parallel vs raw read of the same files.",
     ),
     "features": (
-        "features.bench:features",
+        "benchmarks.feature_state:features",
         "Feature state: block accesses/s for update and update+extraction, bytes per block, dataset build time.",
     ),
     "kafka": (
-        "serving.kafka_bench:bench_kafka",
+        "benchmarks.kafka_throughput:bench_kafka",
         "Kafka block accesses/s (produce, consume+decode; 1 and 4 partitions) and latency vs decode from memory.",
     ),
     "replay": (
-        "training.replay_bench:replay_bench",
+        "benchmarks.replay_speed:replay_bench",
         "Single-tier replay block accesses/s per policy vs an exact LRU pass.",
     ),
     "serve": (
-        "serving.serve_bench:serve_bench",
+        "benchmarks.sidecar:serve_bench",
         "Sidecar block accesses/s and event-to-decision latency vs LRU.",
     ),
     "zmq": (
-        "serving.zmq_bench:bench_zmq",
+        "benchmarks.zmq_events:bench_zmq",
         "KV events/s from ZMQ (and bridged into Kafka) vs decode from memory.",
     ),
 }

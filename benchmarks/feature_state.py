@@ -39,26 +39,9 @@ from pathlib import Path
 
 import click
 
-from features.decoders import decode_mooncake, read_trace
+from benchmarks.traces import load_events
 from features.events import BlocksAccessed
 from features.state import FeatureState
-
-SHARED_TRACE = Path("..") / "shared" / "traces" / "mooncake_conversation_trace.jsonl.gz"
-SHARED_TRACE_REQUESTS = 12_031
-
-
-def _load_events(trace: Path | None) -> tuple[list[BlocksAccessed], str]:
-    path = trace or (Path.cwd() / SHARED_TRACE)
-    if path.is_file():
-        return list(read_trace(path)), str(path)
-    from features.generator import generate, params_for
-
-    rows = generate(params_for("mixed", num_requests=SHARED_TRACE_REQUESTS, seed=0))
-    events = [decode_mooncake(row, str(i)) for i, row in enumerate(rows)]
-    return (
-        events,
-        f"generated mixed workload, {SHARED_TRACE_REQUESTS} requests (shared trace not found)",
-    )
 
 
 def _lru_pass(events: list[BlocksAccessed]) -> None:
@@ -117,7 +100,7 @@ def _best_of(repeats: int, fn: Callable[[], object]) -> float:
 @click.option("--profile", is_flag=True, help="Print the top functions of one update pass.")
 def features(trace: Path | None, repeats: int, dataset: bool, profile: bool) -> None:
     """Block accesses/s of the online feature update and extraction, bytes per block."""
-    events, source = _load_events(trace)
+    events, source = load_events(trace)
     num_accesses = sum(len(e.block_hashes) for e in events)
     click.echo(f"trace: {source}")
     click.echo(f"requests: {len(events):,}  block accesses: {num_accesses:,}")
@@ -142,7 +125,6 @@ def features(trace: Path | None, repeats: int, dataset: bool, profile: bool) -> 
     )
     click.echo(f"features per row: {len(state.feature_names)}")
     if dataset:
-        # Timing only: training builds on features, never the reverse in library code.
         from training.dataset import build_dataset
 
         start = time.process_time()

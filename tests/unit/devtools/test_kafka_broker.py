@@ -1,4 +1,4 @@
-"""The pure parts of serving.kafka_broker: what it writes and how it decides which
+"""The pure parts of devtools.kafka_broker: what it writes and how it decides which
 process is its broker. Starting a real broker is the integration tests' job."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from serving.kafka_broker import (
+from devtools.kafka_broker import (
     BrokerConfig,
     KafkaBroker,
     KafkaBrokerError,

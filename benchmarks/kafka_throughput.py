@@ -4,7 +4,7 @@ produce->consume latency, as ratios against decoding the same payloads from memo
 this process.
 
 The broker is ``--bootstrap`` / ``$KVWARM_KAFKA_BOOTSTRAP`` when given, else one started
-for the run (``serving.kafka_broker``) and removed afterwards.
+for the run (``devtools.kafka_broker``) and removed afterwards.
 """
 
 from __future__ import annotations
@@ -21,10 +21,10 @@ import click
 import msgspec
 import numpy as np
 
+from devtools.kafka_broker import KafkaBroker
 from features.decoders import decode_message, decode_mooncake
 from features.events import AllBlocksCleared, BlocksAccessed, Event
 from features.generator import generate, params_for
-from serving.kafka_broker import KafkaBroker
 
 
 @dataclass(frozen=True)

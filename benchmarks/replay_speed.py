@@ -18,40 +18,18 @@ from pathlib import Path
 
 import click
 
+from benchmarks.traces import load_events
 from features.annotate import access_arrays
-from features.decoders import read_trace
+from features.events import BlocksAccessed
 from features.trace_stats import lru_hits
 from predictor.base import Policy
 from predictor.registry import make_policy
 from training.replay import distinct_blocks, replay_single_tier, split_events, spread_ties
 
-SHARED_TRACE = (
-    Path(__file__).resolve().parents[1].parent
-    / "shared"
-    / "traces"
-    / "mooncake_conversation_trace.jsonl.gz"
-)
 
-
-def _events(trace: Path | None) -> tuple[str, list]:
-    if trace is None and SHARED_TRACE.is_file():
-        trace = SHARED_TRACE
-    if trace is not None:
-        return trace.name, spread_ties(list(read_trace(trace)))
-    from features.events import BlocksAccessed
-    from features.generator import generate, params_for
-
-    rows = generate(params_for("mixed", num_requests=12_031, seed=0))
-    events = [
-        BlocksAccessed(
-            ts_ms=r["timestamp"],
-            request_id=str(i),
-            block_hashes=tuple(r["hash_ids"]),
-            block_size_tokens=512,
-        )
-        for i, r in enumerate(rows)
-    ]
-    return "generated mixed 12,031 requests", spread_ties(events)
+def _events(trace: Path | None) -> tuple[str, list[BlocksAccessed]]:
+    events, source = load_events(trace)
+    return source, spread_ties(events)
 
 
 @click.command("replay")

@@ -7,7 +7,7 @@ import re
 import pytest
 from click.testing import CliRunner
 
-from serving.bench_cli import bench
+from serving.cli import main
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -15,8 +15,18 @@ pytestmark = pytest.mark.timeout(60)
 @pytest.mark.parametrize(("encoding", "hashes"), [("tagged", "bytes"), ("positional", "int")])
 def test_bench_zmq_small_run(encoding, hashes):
     result = CliRunner().invoke(
-        bench,
-        ["zmq", "--batches", "40", "--encoding", encoding, "--hashes", hashes, "--no-kafka"],
+        main,
+        [
+            "bench",
+            "zmq",
+            "--batches",
+            "40",
+            "--encoding",
+            encoding,
+            "--hashes",
+            hashes,
+            "--no-kafka",
+        ],
     )
     assert result.exit_code == 0, result.output
     out = result.output
