@@ -94,7 +94,14 @@ def run_workload(
         guard=guard,
     )
     report = run_comparison(events, config, trainer=make_trainer(quick))
-    for row in report.single:
+    leak_check(report.single)
+    return report.single
+
+
+def leak_check(rows: Sequence[dict[str, Any]]) -> None:
+    """Raise ``LeakError`` when a policy's hit ratio exceeds Belady with bypass (the
+    offline optimum of any online policy) in any single-tier row."""
+    for row in rows:
         bound = row["references"]["belady_bypass"] + LEAK_TOLERANCE
         leaks = {n: v for n, v in row["policies"].items() if v > bound}
         if leaks:
@@ -102,7 +109,6 @@ def run_workload(
                 f"at {row['capacity']:g}: {leaks} above Belady with bypass "
                 f"{row['references']['belady_bypass']:.4f}: a policy reads the future"
             )
-    return report.single
 
 
 def best_peer(row: dict[str, Any]) -> tuple[str, float] | None:
