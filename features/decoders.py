@@ -23,6 +23,7 @@ import csv
 import gzip
 import io
 import json
+import math
 import os
 from collections import Counter
 from collections.abc import Iterator
@@ -54,6 +55,75 @@ see a non-decreasing clock."""
 
 TRACE_FORMATS = ("auto", "mooncake", "jsonl", "csv")
 
+TIME_UNITS = ("auto", "s", "ms", "us", "ns")
+"""Units a trace's timestamps may be in (``--time-unit``). ``auto`` decides once, from
+the first row's timestamp: epoch-sized values by magnitude (>= 1e17 ns, >= 1e14 us,
+>= 1e11 ms, >= 1e8 s), a fractional value below that is seconds, anything else ms
+(Mooncake's traces count ms from the trace start)."""
+
+_MS_PER_UNIT = {"s": 1000.0, "ms": 1.0, "us": 1e-3, "ns": 1e-6}
+
+MAX_TS_JUMP_MS = 30 * 86_400_000
+"""A row more than this far ahead of the latest accepted timestamp is rejected alone
+(``ts_jump``) without moving the clock, so one absurd timestamp does not make every
+good row after it look like it goes back. ``MAX_TS_JUMPS_IN_A_ROW`` such rows in a row
+are taken as a real gap: the clock moves on from there."""
+
+MAX_TS_JUMPS_IN_A_ROW = 3
+
+
+def guess_time_unit(value: Any) -> str:
+    """The unit ``auto`` picks for a first timestamp ``value`` (see ``TIME_UNITS``)."""
+    number = _number(value)
+    if number is None:
+        return "ms"
+    magnitude = abs(number)
+    for bound, unit in ((1e17, "ns"), (1e14, "us"), (1e11, "ms"), (1e8, "s")):
+        if magnitude >= bound:
+            return unit
+    return "s" if not float(number).is_integer() else "ms"
+
+
+def _number(value: Any) -> int | float | None:
+    """A JSON number or a numeric string (as several public traces ship timestamps)."""
+    if isinstance(value, bool):
+        return None
+    if isinstance(value, (int, float)):
+        return value
+    if isinstance(value, str):
+        text = value.strip()
+        try:
+            return int(text)
+        except ValueError:
+            try:
+                return float(text)
+            except ValueError:
+                return None
+    return None
+
+
+def timestamp_ms(value: Any, unit: str, field: str = "ts_ms") -> int:
+    """A timestamp in ``unit`` (number or numeric string) as integer ms; raises
+    ``EventValidationError`` for anything else (NaN, infinity, text, negative)."""
+    number = _number(value)
+    if number is None:
+        if value is None:
+            raise EventValidationError(field, "is missing", "missing_field")
+        raise EventValidationError(field, f"expected a number, got {value!r:.40}", "bad_type")
+    ms = number * _MS_PER_UNIT[unit] if unit != "ms" else number
+    if not math.isfinite(ms):
+        raise EventValidationError(
+            field, f"expected a finite number, got {value!r:.40}", "bad_type"
+        )
+    if ms < 0:
+        raise EventValidationError(field, f"must be >= 0, got {value!r:.40}", "negative")
+    if ms >= 2**62:
+        raise EventValidationError(
+            field, f"{value!r:.40} {unit} is out of range", "ts_out_of_range"
+        )
+    return int(round(ms))
+
+
 _json_decoder = msgspec.json.Decoder()
 
 
@@ -76,9 +146,27 @@ class RejectLog:
     def total(self) -> int:
         return sum(self.counts.values())
 
+    first_by_reason: dict[str, str] = field(default_factory=dict)
+    """The first message of each reason (what ``summary`` quotes)."""
+
+    def summary(self) -> str:
+        """One line: how many rows were rejected and the most common reason with an
+        example, e.g. ``1,931 rows rejected, most often bad_type (1,931): t.jsonl:1:
+        ts_ms: expected a number``; ``""`` when nothing was rejected."""
+        if not self.counts:
+            return ""
+        reason, n = self.counts.most_common(1)[0]
+        others = len(self.counts) - 1
+        more = f"; {others} other reason{'s' if others > 1 else ''}" if others else ""
+        return (
+            f"{self.total:,} rows rejected, most often {reason} ({n:,}), e.g. "
+            f"{self.first_by_reason.get(reason, '?')}{more}"
+        )
+
     def add(self, where: str, error: EventValidationError, raw: str | bytes) -> None:
         self.counts[error.reason] += 1
         message = f"{where}: {error}"
+        self.first_by_reason.setdefault(error.reason, message[:300])
         if len(self.examples) < self.max_examples:
             self.examples.append(message)
         if self.path is not None:
@@ -344,7 +432,7 @@ def _csv_rows(fh: IO[str]) -> Iterator[tuple[int, dict[str, Any] | EventValidati
                     continue
                 if key == "block_hashes":
                     obj[key] = [int(x) for x in value.replace(";", " ").split()]
-                elif key in ("ts_ms", "block_size_tokens", "input_tokens", "output_tokens"):
+                elif key in ("block_size_tokens", "input_tokens", "output_tokens"):
                     obj[key] = int(value)
                 else:
                     obj[key] = value
@@ -359,22 +447,64 @@ def read_trace(
     fmt: str = "auto",
     rejects: RejectLog | None = None,
     backwards_tolerance_ms: int = DEFAULT_BACKWARDS_TOLERANCE_MS,
+    time_unit: str = "auto",
 ) -> Iterator[BlocksAccessed]:
     """Stream the access events of a trace file in constant memory.
 
     Rows without a request id get ``"<line number>"``. Rejected rows are recorded in
     ``rejects`` (created if not given; pass one to read the counts afterwards).
+    Timestamps (numbers or numeric strings) are read in ``time_unit`` (``TIME_UNITS``)
+    and converted to ms. Raises ``TraceFormatError`` at once (before the first row) for
+    a file that is missing, unreadable or not a trace.
     """
     path = Path(path)
-    if not path.is_file():
-        raise TraceFormatError(f"{path}: no such trace file")
-    if fmt not in TRACE_FORMATS:
-        raise TraceFormatError(f"unknown trace format {fmt!r}; valid: {', '.join(TRACE_FORMATS)}")
+    check_trace_file(path, fmt)
+    if time_unit not in TIME_UNITS:
+        raise TraceFormatError(f"unknown time unit {time_unit!r}; valid: {', '.join(TIME_UNITS)}")
     if fmt == "auto":
         fmt = detect_format(path)
+    return _read_trace(path, fmt, rejects, backwards_tolerance_ms, time_unit)
+
+
+def check_trace_file(path: Path, fmt: str = "auto") -> None:
+    """Raise ``TraceFormatError`` naming the problem and the fix when ``path`` cannot be
+    a trace: missing, a directory, unreadable, or binary (neither gzip nor text)."""
+    if fmt not in TRACE_FORMATS:
+        raise TraceFormatError(f"unknown trace format {fmt!r}; valid: {', '.join(TRACE_FORMATS)}")
+    if not path.exists():
+        raise TraceFormatError(f"{path}: no such trace file; check the path")
+    if not path.is_file():
+        raise TraceFormatError(f"{path}: not a file; pass a trace file (JSONL or CSV, .gz ok)")
+    try:
+        with open(path, "rb") as fh:
+            head = fh.read(4096)
+        if head[:2] == b"\x1f\x8b":
+            with gzip.open(path, "rb") as gz:
+                head = gz.read(4096)
+    except (OSError, EOFError) as exc:
+        raise TraceFormatError(
+            f"{path}: cannot be read ({getattr(exc, 'strerror', None) or exc}); "
+            "pass a readable trace file"
+        ) from None
+    if b"\x00" in head:
+        raise TraceFormatError(
+            f"{path}: binary data, not a trace; pass a JSONL or CSV trace (plain or .gz)"
+        )
+
+
+def _read_trace(
+    path: Path,
+    fmt: str,
+    rejects: RejectLog | None,
+    backwards_tolerance_ms: int,
+    time_unit: str,
+) -> Iterator[BlocksAccessed]:
     log = rejects if rejects is not None else RejectLog()
     latest_ts = -1
+    num_jumps = 0
     decode = decode_mooncake if fmt == "mooncake" else decode_access_object
+    ts_key = "timestamp" if fmt == "mooncake" else "ts_ms"
+    unit = None if time_unit == "auto" else time_unit
     with _open_text(path) as fh:
         rows: Iterator[tuple[int, Any, str]]
         if fmt == "csv":
@@ -386,7 +516,23 @@ def read_trace(
             try:
                 if isinstance(obj, EventValidationError):
                     raise obj
+                if isinstance(obj, dict):
+                    key = ts_key if ts_key in obj else "timestamp" if "hash_ids" in obj else "ts_ms"
+                    if obj.get(key) is not None:
+                        if unit is None:
+                            unit = guess_time_unit(obj[key])
+                        obj[key] = timestamp_ms(obj[key], unit, key)
                 event = decode(obj, str(line_no - 1))
+                if latest_ts >= 0 and event.ts_ms - latest_ts > MAX_TS_JUMP_MS:
+                    num_jumps += 1
+                    if num_jumps < MAX_TS_JUMPS_IN_A_ROW:
+                        raise EventValidationError(
+                            "ts_ms",
+                            f"timestamp {event.ts_ms} jumps {(event.ts_ms - latest_ts) / 86_400_000:,.0f} "
+                            f"days ahead of the rows before it",
+                            "ts_jump",
+                        )
+                num_jumps = 0
                 if event.ts_ms < latest_ts:
                     if latest_ts - event.ts_ms > backwards_tolerance_ms:
                         raise EventValidationError(

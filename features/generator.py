@@ -24,6 +24,8 @@ like the Mooncake traces. Same params and seed give the same bytes.
 
 from __future__ import annotations
 
+import gzip
+import io
 import json
 import math
 from collections.abc import Iterator
@@ -349,8 +351,18 @@ def write_trace(params: WorkloadParams, out: IO[str], *, session_ids: bool = Fal
 def generate_to_file(
     params: WorkloadParams, path: str | Path, *, session_ids: bool = False
 ) -> Path:
+    """Write the trace to ``path``; a name ending in ``.gz`` is gzip-compressed (with a
+    zero mtime, so the same seed still gives the same bytes)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
+    if path.suffix == ".gz":
+        with (
+            open(path, "wb") as raw,
+            gzip.GzipFile(filename="", mode="wb", fileobj=raw, mtime=0) as gz,
+            io.TextIOWrapper(gz, encoding="utf-8") as fh,
+        ):
+            write_trace(params, fh, session_ids=session_ids)
+        return path
     with open(path, "w", encoding="utf-8") as fh:
         write_trace(params, fh, session_ids=session_ids)
     return path

@@ -9,7 +9,7 @@ from pathlib import Path
 import click
 
 from features.annotate import access_arrays
-from features.decoders import TRACE_FORMATS, RejectLog, TraceFormatError, read_trace
+from features.decoders import TIME_UNITS, TRACE_FORMATS, RejectLog, TraceFormatError, read_trace
 from features.trace_stats import DEFAULT_CAPACITIES, format_stats, trace_stats
 
 
@@ -41,8 +41,17 @@ def parse_fractions(text: str) -> tuple[float, ...]:
     type=click.Path(dir_okay=False, path_type=Path),
     help="Append rejected rows here (JSONL).",
 )
+@click.option(
+    "--time-unit",
+    type=click.Choice(TIME_UNITS),
+    default="auto",
+    show_default=True,
+    help="Unit of the trace's timestamps (auto: by magnitude).",
+)
 @click.option("--json", "as_json", is_flag=True, help="Print machine-readable JSON.")
-def stats(trace: Path, capacities: str, fmt: str, rejects: Path | None, as_json: bool) -> None:
+def stats(
+    trace: Path, capacities: str, fmt: str, rejects: Path | None, time_unit: str, as_json: bool
+) -> None:
     """Print a trace's size, reuse and LRU/Belady hit ratios at each capacity.
 
     Capacity = int(fraction x distinct blocks); every access of every block in
@@ -51,13 +60,21 @@ def stats(trace: Path, capacities: str, fmt: str, rejects: Path | None, as_json:
     fractions = parse_fractions(capacities)
     log = RejectLog(path=rejects)
     try:
-        arrays = access_arrays(read_trace(trace, fmt=fmt, rejects=log))
+        arrays = access_arrays(read_trace(trace, fmt=fmt, rejects=log, time_unit=time_unit))
     except TraceFormatError as exc:
         raise click.ClickException(str(exc)) from None
     finally:
         log.close()
     if arrays.num_accesses == 0:
-        raise click.ClickException(f"{trace}: no valid requests ({log.total} rejected rows)")
+        raise click.ClickException(
+            f"{trace}: no valid requests; "
+            + (log.summary() or "the file holds no rows")
+            + (
+                "; if the timestamps are not ms, pass --time-unit s|us|ns"
+                if "ts_" in (log.counts.most_common(1)[0][0] if log.counts else "")
+                else ""
+            )
+        )
     result = trace_stats(arrays, fractions)
     result.num_rejects = log.total
     result.rejects_by_reason = dict(log.counts)

@@ -14,6 +14,8 @@ are kept simple and exact.
 from __future__ import annotations
 
 import heapq
+import math
+import re
 from collections import OrderedDict
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -146,6 +148,15 @@ def trace_stats(
     )
 
 
+def fmt_number(value: float | None, spec: str, missing: str = "-") -> str:
+    """``format(value, spec)``, or ``missing`` (right-aligned to the spec's width) for
+    None, NaN or infinity: tables never print ``nan`` or ``+nan%``."""
+    if value is None or not math.isfinite(value):
+        width = re.match(r"[<>^]?[+\- ]?(\d*)", spec.lstrip(">")).group(1)  # type: ignore[union-attr]
+        return missing.rjust(int(width)) if width else missing
+    return format(value, spec)
+
+
 def format_stats(stats: TraceStats) -> str:
     rd_r, rd_s = stats.reuse_distance_requests, stats.reuse_distance_s
     lines = [
@@ -154,8 +165,10 @@ def format_stats(stats: TraceStats) -> str:
         f"block accesses             {stats.num_block_accesses:,}",
         f"distinct blocks            {stats.num_distinct_blocks:,}",
         f"infinite-cache hit ratio   {stats.infinite_cache_hit_ratio:.4f}",
-        f"reuse distance (requests)  p50 {rd_r['p50']:,.0f}  p90 {rd_r['p90']:,.0f}  p99 {rd_r['p99']:,.0f}",
-        f"reuse distance (seconds)   p50 {rd_s['p50']:,.0f}  p90 {rd_s['p90']:,.0f}  p99 {rd_s['p99']:,.0f}",
+        "reuse distance (requests)  "
+        + "  ".join(f"{k} {fmt_number(rd_r[k], ',.0f')}" for k in ("p50", "p90", "p99")),
+        "reuse distance (seconds)   "
+        + "  ".join(f"{k} {fmt_number(rd_s[k], ',.0f')}" for k in ("p50", "p90", "p99")),
     ]
     if stats.num_rejects:
         reasons = ", ".join(f"{k} {v}" for k, v in sorted(stats.rejects_by_reason.items()))

@@ -62,6 +62,10 @@ def feature_params_from_dict(data: dict[str, Any]) -> FeatureParams:
     return FeatureParams(**kwargs)
 
 
+DEFAULT_TIME_BASE: dict[str, Any] = {"unit": "ms", "clock": "event", "time_scale": 1.0}
+"""What a model trained by ``kvwarm train`` saw: event-time milliseconds, unscaled."""
+
+
 class LearnedPolicy(Policy):
     """Base of policies that score ``model(features_for(blocks, now_ms))``."""
 
@@ -154,8 +158,16 @@ class LearnedPolicy(Policy):
             "feature_version": FEATURE_VERSION,
             "feature_names": list(self.feature_names),
             "feature_params": feature_params_to_dict(self.feature_params),
+            "time_base": self.time_base,
             "files": files,
         }
+
+    @property
+    def time_base(self) -> dict[str, Any]:
+        """The time the model was trained on: ``unit`` (ms), ``clock`` (``event``: the
+        events' own timestamps) and ``time_scale`` (1.0 unless a replay stretched the
+        trace). Saved in the manifest; serving checks it when it loads the model."""
+        return dict(self.training_info.get("time_base") or DEFAULT_TIME_BASE)
 
     @classmethod
     def load(cls, directory: str | Path, **kwargs: Any) -> Policy:
@@ -189,6 +201,10 @@ class LearnedPolicy(Policy):
                 raise PolicyLoadError(directory / name, "model file is missing")
         policy._read_model_files(directory, manifest)
         policy.fitted = True
+        if "time_base" in manifest:
+            if not isinstance(manifest["time_base"], dict):
+                raise PolicyLoadError(where, "time_base must be a table")
+            policy.training_info["time_base"] = dict(manifest["time_base"])
         policy.training_info["model_size_bytes"] = sum(
             (directory / f).stat().st_size for f in manifest.get("files", [])
         )

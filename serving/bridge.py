@@ -48,6 +48,7 @@ from features.events import (
     ResidencyEvent,
 )
 from serving.kafka_io import DLQ_SUFFIX, HEADER_ERROR, HEADER_REASON
+from serving.settings import DEFAULT_EVENTS_TOPIC
 from serving.zmq_source import (
     DEFAULT_REPLAY_TIMEOUT_MS,
     EngineBatch,
@@ -93,12 +94,19 @@ class RecordSink(Protocol):
 
 
 def parse_kafka_url(url: str) -> tuple[str, str]:
-    """``kafka://HOST:PORT[,HOST:PORT...]/TOPIC`` -> (bootstrap, topic)."""
-    scheme, sep, rest = url.partition("://")
-    bootstrap, _, topic = rest.partition("/")
-    if not sep or scheme != "kafka" or not bootstrap or not topic or "/" in topic:
-        raise BridgeUrlError(f"{url!r}: expected kafka://HOST:PORT[,HOST:PORT...]/TOPIC")
-    return bootstrap, topic
+    """``kafka://HOST:PORT[,HOST:PORT...]/TOPIC`` or ``kafka:TOPIC`` (the local broker,
+    ``serving.settings.local_bootstrap``) -> (bootstrap, topic)."""
+    from serving.settings import SettingsError, parse_sink
+
+    try:
+        endpoint = parse_sink(url) if url.startswith("kafka:") else None
+    except SettingsError:
+        endpoint = None
+    if endpoint is None:
+        raise BridgeUrlError(
+            f"{url!r}: expected kafka://HOST:PORT[,HOST:PORT...]/TOPIC or kafka:TOPIC"
+        )
+    return endpoint.target, endpoint.topic
 
 
 class PrefixRoots:
@@ -389,7 +397,14 @@ class Bridge:
     multiple=True,
     help="zmq://HOST:PORT[?topic=T&replay=tcp://HOST:PORT&engine=ID]; repeat for more engines.",
 )
-@click.option("--to", "sink_url", required=True, help="kafka://HOST:PORT/TOPIC")
+@click.option(
+    "--to",
+    "sink_url",
+    default=f"kafka:{DEFAULT_EVENTS_TOPIC}",
+    show_default=True,
+    help="kafka:TOPIC (the local broker: $KVWARM_KAFKA_BOOTSTRAP, else the address "
+    "`kvwarm kafka up` wrote, else 127.0.0.1:9092) or kafka://HOST:PORT/TOPIC.",
+)
 @click.option("--dead-letter-topic", default=None, help="Default: TOPIC.dlq")
 @click.option(
     "--partitions",
@@ -406,8 +421,15 @@ class Bridge:
     help="File keeping the last delivered sequence per engine, to resume from replay.",
 )
 @click.option("--replay-timeout-ms", default=DEFAULT_REPLAY_TIMEOUT_MS, show_default=True)
-@click.option("--duration-s", type=float, default=None, help="Stop after this long.")
-@click.option("--max-batches", type=int, default=None, help="Stop after this many batches.")
+@click.option(
+    "--duration-s",
+    type=click.FloatRange(0, min_open=True),
+    default=None,
+    help="Stop after this long (seconds).",
+)
+@click.option(
+    "--max-batches", type=click.IntRange(1), default=None, help="Stop after this many batches."
+)
 def bridge(
     sources: tuple[str, ...],
     sink_url: str,
@@ -419,7 +441,12 @@ def bridge(
     max_batches: int | None,
 ) -> None:
     """Forward vLLM/SGLang KV events from ZMQ publishers into a Kafka topic."""
-    from serving.kafka_io import KafkaEventProducer, ensure_topics, topic_partitions
+    from serving.kafka_io import (
+        KafkaEventProducer,
+        KafkaUnavailableError,
+        ensure_topics,
+        topic_partitions,
+    )
 
     try:
         engines = parse_zmq_url(list(sources))
@@ -427,8 +454,11 @@ def bridge(
     except ValueError as exc:
         raise click.BadParameter(str(exc)) from None
     dlq = dead_letter_topic or topic + DLQ_SUFFIX
-    ensure_topics(bootstrap, {topic: partitions, dlq: 1})
-    num_partitions = topic_partitions(bootstrap, topic)
+    try:
+        ensure_topics(bootstrap, {topic: partitions, dlq: 1})
+        num_partitions = topic_partitions(bootstrap, topic)
+    except KafkaUnavailableError as exc:
+        raise click.ClickException(str(exc)) from None
     resume_after = Bridge.load_state(state_path) if state_path is not None else {}
     subscriber = ZmqSubscriber(
         engines, replay_timeout_ms=replay_timeout_ms, resume_after=resume_after

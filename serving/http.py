@@ -226,6 +226,11 @@ class _LiveCollector(Collector):
             )
 
 
+class HealthServerError(OSError):
+    """The HTTP endpoints cannot listen where asked; the message names the address and
+    what to pass instead."""
+
+
 class HealthServer:
     """``/healthz``, ``/readyz``, ``/metrics`` in a daemon thread.
 
@@ -244,7 +249,14 @@ class HealthServer:
     ) -> None:
         self.metrics = metrics
         handler = _handler(metrics, health, ready)
-        self._server = ThreadingHTTPServer((host, port), handler)
+        try:
+            self._server = ThreadingHTTPServer((host, port), handler)
+        except OSError as exc:
+            raise HealthServerError(
+                f"cannot listen for /healthz and /metrics on {host}:{port} ({exc.strerror or exc}); "
+                "another process (a second kvwarm serve?) may hold it: pass --http-port N, "
+                "--http-port 0 for any free port, or KVWARM_HTTP_ENABLED=false"
+            ) from None
         self._server.daemon_threads = True
         self.host = host
         self.port = int(self._server.server_address[1])

@@ -23,10 +23,11 @@ Every client connects with bounded retries; when no broker answers,
 from __future__ import annotations
 
 import logging
+import socket
 import time
 from collections import Counter, deque
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Literal, Protocol, TypeVar
 
@@ -129,6 +130,10 @@ class ConnectOptions:
     attempts: int = 3
     attempt_timeout_ms: int = 5_000
     backoff_s: float = 0.5
+    probe_s: float = 2.0
+    """Before any client is built, the bootstrap addresses are tried over plain TCP for
+    at most this long: a host where nothing listens fails in about this time with one
+    line, instead of after every client retry (0: no probe)."""
     # Reconnect quickly after a broker restart (kafka-python's default cap is 30 s).
     reconnect_backoff_max_ms: int = 1_000
 
@@ -146,8 +151,42 @@ def _client_config(
     }
 
 
+def probe_bootstrap(bootstrap: str, within_s: float) -> None:
+    """Raise ``KafkaUnavailableError`` unless some ``HOST:PORT`` of ``bootstrap``
+    accepts a TCP connection within ``within_s`` (tried every 0.2 s)."""
+    addresses = []
+    for item in bootstrap.split(","):
+        host, _, port = item.strip().rpartition(":")
+        if not host or not port.isdigit():
+            raise KafkaUnavailableError(
+                f"Kafka address {item.strip()!r} is not HOST:PORT; pass --bootstrap HOST:PORT "
+                "or set KVWARM_KAFKA_BOOTSTRAP"
+            )
+        addresses.append((host.strip("[]"), int(port)))
+    deadline = time.monotonic() + within_s
+    last: OSError | None = None
+    while True:
+        for host, port in addresses:
+            try:
+                with socket.create_connection((host, port), timeout=min(1.0, within_s)):
+                    return
+            except OSError as exc:
+                last = exc
+        if time.monotonic() >= deadline:
+            break
+        time.sleep(0.2)
+    why = (getattr(last, "strerror", None) or str(last) or "no answer").lower()
+    raise KafkaUnavailableError(
+        f"no Kafka broker at {bootstrap} ({why}); start one with `kvwarm kafka up` "
+        "(or check `kvwarm kafka status`), or give the right address with "
+        "kafka://HOST:PORT/TOPIC, --bootstrap or KVWARM_KAFKA_BOOTSTRAP"
+    )
+
+
 def _connect(what: str, bootstrap: str, options: ConnectOptions, factory: Callable[[], _T]) -> _T:
     """Build a client, retrying a bounded number of times while no broker answers."""
+    if options.probe_s > 0:
+        probe_bootstrap(bootstrap, options.probe_s)
     delay_s = options.backoff_s
     for attempt in range(1, options.attempts + 1):
         try:
@@ -667,6 +706,8 @@ class ProduceReport:
     num_block_accesses: int
     num_rejected_rows: int
     elapsed_s: float
+    rejects_summary: str = ""
+    """``RejectLog.summary()``: the most common reject reason with an example."""
 
     @property
     def events_per_s(self) -> float:
@@ -708,10 +749,15 @@ def produce_trace(
     progress: bool = True,
     security: KafkaSecurity | None = None,
     options: ConnectOptions = ConnectOptions(),
+    restamp: bool = False,
+    time_unit: str = "auto",
 ) -> ProduceReport:
     """Replay a trace file into ``topic``: real time (``speed=1``), scaled (``speed=X``),
     capped (``max_rate_per_s=N``) or as fast as possible (neither). Rows the decoders
-    reject are counted and skipped, as in every file source."""
+    reject are counted and skipped, as in every file source.
+
+    Events keep the trace's timestamps (event time, what ``serve`` uses by default);
+    ``restamp`` stamps each with the wall clock (ms, never decreasing) when it is sent."""
     from tqdm import tqdm
 
     from features.decoders import RejectLog
@@ -728,7 +774,8 @@ def produce_trace(
     with KafkaEventProducer(bootstrap, topic, security=security, options=options) as producer:
         started = time.monotonic()
         bar = tqdm(total=limit, unit="ev", desc=f"produce {topic}", disable=not progress)
-        for event in read_trace(path, fmt=fmt, rejects=rejects):
+        last_stamp_ms = 0
+        for event in read_trace(path, fmt=fmt, rejects=rejects, time_unit=time_unit):
             if limit is not None and num_events >= limit:
                 break
             if first_ts_ms is None:
@@ -739,6 +786,9 @@ def produce_trace(
             )  # fmt: skip
             if wait_s > 0.001:
                 time.sleep(wait_s)
+            if restamp:
+                last_stamp_ms = max(last_stamp_ms, int(time.time() * 1000))
+                event = replace(event, ts_ms=last_stamp_ms)
             producer.send_event(event)
             num_events += 1
             num_blocks += len(event.block_hashes)
@@ -746,7 +796,7 @@ def produce_trace(
         producer.flush()
         bar.close()
         elapsed_s = time.monotonic() - started
-    return ProduceReport(num_events, num_blocks, rejects.total, elapsed_s)
+    return ProduceReport(num_events, num_blocks, rejects.total, elapsed_s, rejects.summary())
 
 
 # --- reading a topic without a group ------------------------------------------------------

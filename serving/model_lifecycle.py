@@ -34,7 +34,6 @@ import tempfile
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -67,31 +66,74 @@ class ModelStatus:
     def status(self) -> str:
         return "degraded" if self.degraded else "ok"
 
+    @property
+    def name(self) -> str:
+        """The registered model's name (``models:/NAME@ALIAS``), else the spec itself."""
+        return registry_identity(self.spec)[0]
+
+    @property
+    def alias(self) -> str:
+        """The alias followed (``models:/NAME@ALIAS``), else ``""``."""
+        return registry_identity(self.spec)[1]
+
+
+def registry_identity(spec: str) -> tuple[str, str]:
+    """``models:/NAME@ALIAS`` -> (NAME, ALIAS); ``models:/NAME/VERSION`` -> (NAME, "");
+    anything else -> (spec, "")."""
+    if spec.startswith("models:/"):
+        rest = spec[len("models:/") :]
+        if "@" in rest:
+            name, _, alias = rest.partition("@")
+            return name, alias
+        return rest.split("/", 1)[0], ""
+    return spec, ""
+
+
+class ModelStartError(RuntimeError):
+    """The asked-for model cannot be loaded at start and no fallback was allowed."""
+
 
 class ModelResolveError(PolicyError):
     """What a model spec names cannot be found right now (no such alias, no store)."""
 
 
-Resolver = Callable[[str, "Path"], tuple[Path, str]]
-"""(MLflow URI, scratch dir) -> (local saved-policy directory, version label)."""
+class Resolver:
+    """How an MLflow URI becomes a local saved policy. ``version(uri)`` is called on
+    every poll and must be cheap (a registry lookup, no download); ``download(uri,
+    scratch)`` is called only when that version is not the one served."""
+
+    def version(self, uri: str) -> str:
+        """The registry version ``uri`` names now ("" when the store has no registry
+        version for it, e.g. ``runs:/``: the content then decides)."""
+        raise NotImplementedError
+
+    def download(self, uri: str, scratch: Path) -> Path:
+        """A local saved-policy directory (inside ``scratch``) for ``uri``."""
+        raise NotImplementedError
 
 
-def mlflow_resolver(tracking_uri: str | None = None) -> Resolver:
-    """A resolver through ``training.tracking`` (imported on first use)."""
+class MlflowResolver(Resolver):
+    """Through ``training.tracking`` (the only mlflow importer; imported on first use)."""
 
-    def resolve(uri: str, scratch: Path) -> tuple[Path, str]:
+    def __init__(self, tracking_uri: str | None = None) -> None:
+        self.tracking_uri = tracking_uri
+
+    def version(self, uri: str) -> str:
         # The one allowed upward import of serving (the other is the CLI command table):
         # training.tracking is the only MLflow importer, loaded lazily on first use.
         from training import tracking
 
-        version_of = getattr(tracking, "model_version_for_uri", None)
-        directory = tracking.resolve_policy_dir(uri, dst=scratch, store_uri=tracking_uri)
-        label = ""
-        if version_of is not None:
-            label = str(version_of(uri, store_uri=tracking_uri))
-        return directory, label or content_version(directory)
+        return tracking.model_version_for_uri(uri, store_uri=self.tracking_uri)
 
-    return resolve
+    def download(self, uri: str, scratch: Path) -> Path:
+        from training import tracking
+
+        return tracking.resolve_policy_dir(uri, dst=scratch, store_uri=self.tracking_uri)
+
+
+def mlflow_resolver(tracking_uri: str | None = None) -> Resolver:
+    """A resolver through ``training.tracking``."""
+    return MlflowResolver(tracking_uri)
 
 
 def content_version(directory: Path) -> str:
@@ -116,6 +158,26 @@ def _classify(exc: BaseException) -> DegradedKind:
     if isinstance(exc, ModelResolveError) or "could not fetch" in text:
         return "unresolvable"
     return "load_failed"
+
+
+def check_time_base(policy: Policy) -> None:
+    """Refuse a model whose recorded time base is not the sidecar's (event-time ms,
+    unscaled): its time features would mean something else here."""
+    base = getattr(policy, "time_base", None)
+    if base is None:
+        return  # a baseline: no model, no time base
+    if base.get("unit") != "ms" or base.get("clock") != "event":
+        raise PolicyError(
+            f"model was trained on time base {base}, the sidecar computes features in "
+            "event-time ms; retrain it with kvwarm train"
+        )
+    scale = float(base.get("time_scale", 1.0))
+    if abs(scale - 1.0) > 1e-9:
+        raise PolicyError(
+            f"model was trained on a trace stretched x{scale:.3g} (a replay's model); its "
+            "horizon and time features do not match live event time; retrain it with "
+            "kvwarm train"
+        )
 
 
 class ModelManager:
@@ -164,14 +226,20 @@ class ModelManager:
         return s.policy, s.version
 
     # -- loading -----------------------------------------------------------------------
-    def _resolve(self, scratch: Path) -> tuple[str, Path | None, str]:
-        """-> (kind, directory or None, version label). Raises on failure."""
+    def _resolve(
+        self, scratch: Path, skip: frozenset[str] = frozenset()
+    ) -> tuple[str, Path | None, str]:
+        """-> (kind, directory or None, version label). Raises on failure. An MLflow
+        version in ``skip`` is not downloaded (directory None)."""
         spec = self.spec
         if spec in available_policies() and not Path(spec).exists():
             return "builtin", None, "builtin"
         if is_mlflow_uri(spec):
-            directory, version = self.resolver(spec, scratch)
-            return "mlflow", directory, version
+            version = self.resolver.version(spec)
+            if version and version in skip:
+                return "mlflow", None, version  # unchanged: nothing downloaded
+            directory = self.resolver.download(spec, scratch)
+            return "mlflow", directory, version or content_version(directory)
         path = Path(spec)
         if path.is_file():
             path = path.parent  # model.txt or policy.json inside a saved policy
@@ -188,7 +256,7 @@ class ModelManager:
         # MLflow downloads land in a scratch dir dropped once the model is in memory.
         scratch = Path(tempfile.mkdtemp(prefix="kvwarm-model-", dir=self._scratch))
         try:
-            kind, directory, version = self._resolve(scratch)
+            kind, directory, version = self._resolve(scratch, skip_versions)
             self._last_version = version
             if version in skip_versions:
                 return None, version
@@ -206,15 +274,29 @@ class ModelManager:
             shutil.rmtree(scratch, ignore_errors=True)
         if getattr(policy, "needs_future", False):
             raise PolicyError(f"policy {policy.name!r} needs future knowledge; serving refuses it")
+        check_time_base(policy)
         return policy, version
 
-    def load_initial(self) -> Policy:
-        """The policy to start with: the asked-for model, or LRU (degraded) if it fails."""
+    def load_initial(self, *, fallback: bool = True) -> Policy:
+        """The policy to start with: the asked-for model, or LRU (degraded) if it fails.
+        With ``fallback=False`` a model that cannot be loaded raises ``ModelStartError``
+        instead (what ``kvwarm serve`` does unless told ``--fallback lru``)."""
         try:
             policy, version = self._load()
             assert policy is not None
         except Exception as exc:
             kind = _classify(exc)
+            if not fallback:
+                hint = (
+                    f"valid names: {', '.join(available_policies())}; "
+                    if not is_mlflow_uri(self.spec) and not Path(self.spec).exists()
+                    else ""
+                )
+                raise ModelStartError(
+                    f"model {self.spec!r} cannot be loaded ({kind}): "
+                    f"{str(exc).splitlines()[0] if str(exc) else type(exc).__name__}; "
+                    f"{hint}pass --fallback lru to serve LRU meanwhile"
+                ) from exc
             if isinstance(exc, PolicyLoadError) and self._last_version:
                 self._broken_versions.add(self._last_version)
             log.error(

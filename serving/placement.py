@@ -54,6 +54,47 @@ class Placement:
         self._tier[block] = tier
         self.moved_at_ms[block] = now_ms
 
+    def add_many(self, blocks: list[int], tier: int, now_ms: int = 0) -> None:
+        """``add`` of each block in order (the same member order), in bulk: O(len(blocks))
+        dict and list operations done in C. ``blocks`` must be distinct and placed
+        nowhere yet."""
+        if not blocks:
+            return
+        members = self._members[tier]
+        start = len(members)
+        members.extend(blocks)
+        self._pos[tier].update(zip(blocks, range(start, start + len(blocks)), strict=True))
+        before = len(self._tier)
+        self._tier.update(dict.fromkeys(blocks, tier))
+        if len(self._tier) != before + len(blocks):
+            # Roll back, then report the first offender the way ``add`` would.
+            del members[start:]
+            for b in blocks:
+                self._pos[tier].pop(b, None)
+            raise ValueError("add_many takes distinct blocks that are placed nowhere yet")
+        self.moved_at_ms.update(dict.fromkeys(blocks, now_ms))
+
+    def remove_many(self, blocks: list[int], tier: int) -> None:
+        """Drop ``blocks``, all residents of ``tier``. Few blocks: ``remove`` each (swap-
+        remove, the same member order as one by one). Many (over an eighth of the tier):
+        the member list is rebuilt without them in one O(tier) pass, keeping the order of
+        those that stay, instead of O(n) Python-level swaps."""
+        members = self._members[tier]
+        if len(blocks) * 8 <= len(members):
+            for b in blocks:
+                self.remove(b)
+            return
+        gone = set(blocks)
+        kept = [b for b in members if b not in gone]
+        if len(kept) + len(gone) != len(members):
+            raise ValueError(f"remove_many: some blocks are not in tier {self.tier_names[tier]}")
+        members[:] = kept
+        self._pos[tier] = dict(zip(kept, range(len(kept)), strict=True))
+        tier_of, moved = self._tier, self.moved_at_ms
+        for b in blocks:
+            del tier_of[b]
+            moved.pop(b, None)
+
     def remove(self, block: int) -> int:
         """Drop ``block`` from wherever it is; returns its former tier (or NOWHERE)."""
         tier = self._tier.pop(block, NOWHERE)

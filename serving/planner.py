@@ -26,7 +26,7 @@ use; it keeps the cost per request independent of the cache size.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
@@ -67,10 +67,11 @@ class PlannerParams(BaseModel):
     seed: int = Field(0, description="Seed of the eviction sampler (replays repeat exactly).")
 
 
-@dataclass(frozen=True, slots=True)
-class Move:
+class Move(NamedTuple):
     """One placement change. ``from_tier``/``to_tier`` are tier indexes; NOWHERE (-1)
-    as ``from_tier`` means computed (not cached), as ``to_tier`` means dropped."""
+    as ``from_tier`` means computed (not cached), as ``to_tier`` means dropped. A named
+    tuple, not a dataclass: a large request makes one per block, and a tuple is built
+    several times faster than a frozen dataclass."""
 
     block: int
     from_tier: int
@@ -90,16 +91,22 @@ class Planner:
         moves: list[Move] = []
         stored: list[int] = []
         pinned = set(blocks)
+        run: list[int] = []  # consecutive new blocks, added in bulk (same member order)
         for block, tier in zip(blocks, placement.tiers_of(blocks), strict=True):
-            if tier == 0:
-                continue
             if tier == NOWHERE:
-                placement.add(block, 0, now_ms)
-                stored.append(block)
+                run.append(block)
                 moves.append(Move(block, NOWHERE, 0, 0.0, "store"))
-            else:
+                continue
+            if run:
+                placement.add_many(run, 0, now_ms)
+                stored += run
+                run = []
+            if tier != 0:
                 placement.move(block, 0, now_ms)
                 moves.append(Move(block, tier, 0, 0.0, "demand"))
+        if run:
+            placement.add_many(run, 0, now_ms)
+            stored += run
         self._make_room(placement, 0, pinned, stored, score, now_ms, moves)
         return moves
 
@@ -181,31 +188,61 @@ class Planner:
         now_ms: int,
         moves: list[Move],
     ) -> None:
+        """Bring ``tier`` (and, through the blocks it demotes, every tier below) back to
+        capacity. Invariant on return: ``count(t) <= capacities[t]`` for every tier from
+        ``tier`` down, whatever the request size.
+
+        Candidates are distinct residents of the tier: a uniform sample that skips the
+        request's own (``pinned``) blocks, plus the blocks just stored (``stored``, the
+        admission veto). When they number fewer than the overflow (a request larger than
+        the tier), the rest of the tier's residents, pinned ones included, join in member
+        order: the request itself spills, lowest scores first, ties in candidate order,
+        so the outcome is deterministic for a seed. Cost: one scoring call and one sort
+        of O(sample + overflow) candidates per tier, i.e. O(n log n) for a request of n
+        blocks (no per-candidate rescans)."""
         while tier < placement.num_tiers:
             over = placement.overflow(tier)
             if over <= 0:
                 return
-            sample = placement.sample(
-                tier, self.params.eviction_sample + over, self.rng, exclude=pinned
-            )
-            candidates = sample + stored if self.params.admission else list(sample)
+            if over <= self.params.eviction_sample:
+                sample = placement.sample(
+                    tier, self.params.eviction_sample + over, self.rng, exclude=pinned
+                )
+                candidates = sample + stored if self.params.admission else list(sample)
+                # Distinct, in first-seen order: a stored block may also have been sampled.
+                candidates = list(dict.fromkeys(candidates))
+            else:
+                # A spill larger than the sample (an oversized request, a cascade):
+                # sampling would only repeat members; every resident is a candidate,
+                # in member order, the request's own last (they spill only if needed).
+                candidates = [b for b in placement.members(tier) if b not in pinned]
+                if self.params.admission or len(candidates) < over:
+                    candidates += [b for b in placement.members(tier) if b in pinned]
             if len(candidates) < over:
                 # More pinned blocks than room: the request itself must spill.
-                extra = [b for b in placement.members(tier) if b not in set(candidates)]
-                candidates += extra[: over - len(candidates)]
+                chosen = set(candidates)
+                need = over - len(candidates)
+                for b in placement.members(tier):
+                    if b not in chosen:
+                        candidates.append(b)
+                        need -= 1
+                        if need == 0:
+                            break
             scores = score(np.asarray(candidates, dtype=np.uint64), now_ms)
             victims = np.argsort(scores, kind="stable")[:over]
+            out = [candidates[i] for i in victims.tolist()]
+            out_scores = scores[victims].tolist()
+            placement.remove_many(out, tier)
+            below = tier + 1
+            if below < placement.num_tiers:
+                placement.add_many(out, below, now_ms)
+                kind, to_tier = "demote", below
+            else:
+                kind, to_tier = "evict", NOWHERE
+            # A just-stored block that loses is the admission veto: "bypass".
             stored_set = set(stored)
-            demoted: list[int] = []
-            for i in victims.tolist():
-                block = candidates[i]
-                if placement.tier_of(block) != tier:
-                    continue  # sampled twice through `stored`
-                before = len(moves)
-                self._demote(placement, block, tier, float(scores[i]), now_ms, moves)
-                if block in stored_set:
-                    m = moves[before]
-                    moves[before] = Move(m.block, m.from_tier, m.to_tier, m.score, "bypass")
-                if moves[-1].to_tier != NOWHERE:
-                    demoted.append(block)
-            tier, pinned, stored = tier + 1, set(), demoted
+            moves += [
+                Move(b, tier, to_tier, s, "bypass" if b in stored_set else kind)
+                for b, s in zip(out, out_scores, strict=True)
+            ]
+            tier, pinned, stored = below, set(), (out if to_tier != NOWHERE else [])

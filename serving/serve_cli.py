@@ -21,6 +21,7 @@ shows in ``kvwarm_lag_seconds`` and ``kvwarm_source_backlog_events``.
 from __future__ import annotations
 
 import logging
+import os
 import signal
 import sys
 import threading
@@ -35,6 +36,7 @@ from typing import Any
 import click
 import numpy as np
 
+from features.decoders import TIME_UNITS, TraceFormatError
 from features.events import Event
 from predictor.base import Policy
 from serving.decisions import (
@@ -45,13 +47,13 @@ from serving.decisions import (
     NullSink,
     open_sink,
 )
-from serving.http import HealthServer, SidecarMetrics
+from serving.http import HealthServer, HealthServerError, SidecarMetrics
 from serving.loop import LoopStats, Sidecar
-from serving.model_lifecycle import ModelManager
+from serving.model_lifecycle import ModelManager, ModelStartError
 from serving.placement import Placement
 from serving.planner import Planner
 from serving.settings import Endpoint, SidecarSettings, load_settings
-from serving.sources import EventSource, FileSource
+from serving.sources import EventSource, FileSource, ReportsReadiness
 
 log = logging.getLogger(__name__)
 
@@ -128,6 +130,11 @@ class MeteredSource:
         self.num_unflushed = 0
         return latency
 
+    @property
+    def ready(self) -> bool:
+        """The inner source's readiness when it reports one, else True."""
+        return self.inner.ready if isinstance(self.inner, ReportsReadiness) else True
+
     def commit(self) -> None:
         self.inner.commit()
 
@@ -161,7 +168,9 @@ class MeteredSidecar(Sidecar):
 def open_source(settings: SidecarSettings) -> EventSource:
     ep = settings.source_endpoint
     if ep.scheme == "file":
-        return FileSource(ep.target, rejects_path=settings.rejects_path)
+        return FileSource(
+            ep.target, rejects_path=settings.rejects_path, time_unit=settings.time_unit
+        )
     if ep.scheme == "kafka":
         from serving.kafka_io import KafkaEventSource
 
@@ -223,6 +232,16 @@ def load_local_executor(path: str | Path, clock_ms: Callable[[], float]) -> Any:
     return Executor(tiers, ExecutorParams(**params), clock_ms=clock_ms)
 
 
+MAX_WALL_CLOCK_SKEW_MS = 24 * 3_600_000
+"""With ``--clock wall``, events stamped further than this from the wall clock are
+refused: their features would be out of any range the model was trained on."""
+
+
+class ServeError(RuntimeError):
+    """The sidecar cannot start or go on; the message says what is wrong and what to
+    do (the CLI prints it as one line and exits 1)."""
+
+
 class Service:
     """The assembled sidecar. Build, ``start()`` (HTTP, model polling), ``run()``,
     ``close()``. ``stop()`` is safe from a signal handler or another thread."""
@@ -234,9 +253,15 @@ class Service:
         self._ready = False
         self.now_ms = 0
         self.clock: Callable[[], int] | None = wall_ms if settings.clock == "wall" else None
+        if settings.mlflow_tracking_token is not None:
+            # MLflow's client reads its bearer token from this variable only.
+            os.environ["MLFLOW_TRACKING_TOKEN"] = settings.mlflow_tracking_token.get_secret_value()
 
         self.models = ModelManager(settings.model, tracking_uri=settings.mlflow_tracking_uri)
-        policy = self.models.load_initial()
+        try:
+            policy = self.models.load_initial(fallback=settings.model_fallback == "lru")
+        except ModelStartError as exc:
+            raise ServeError(str(exc)) from None
 
         self.executor: Any = None
         tier_names, capacities = self._tiers()
@@ -297,8 +322,16 @@ class Service:
         ep: Endpoint = s.executor_endpoint
         if ep.scheme == "sim":
             from executor.sim import SimulatedExecutor, load_profile
+            from executor.sim.profile import ProfileError
 
-            profile = load_profile(None if ep.target == "default" else ep.target)
+            try:
+                profile = load_profile(None if ep.target == "default" else ep.target)
+            except (OSError, UnicodeDecodeError, ProfileError) as exc:
+                raise ServeError(
+                    f"--executor sim:{ep.target}: cannot read the profile "
+                    f"({getattr(exc, 'strerror', None) or exc}); pass sim:default for the "
+                    "bundled profile or sim:PATH.toml of an existing profile"
+                ) from None
             self.executor = SimulatedExecutor(
                 profile,
                 tiers=s.tier_names,
@@ -341,6 +374,8 @@ class Service:
             "status": s.status,
             "reason": s.reason,
             "model": s.spec,
+            "model_name": s.name,
+            "model_alias": s.alias,
             "policy": s.policy,
             "model_version": s.version,
             "last_reload_error": s.last_error,
@@ -348,7 +383,9 @@ class Service:
         }
 
     def ready(self) -> bool:
-        return self._ready and not self._stop.is_set()
+        """/readyz: the loop runs and the source can deliver (a ZMQ source: an engine
+        is connected)."""
+        return self._ready and not self._stop.is_set() and self.source.ready
 
     # -- running -------------------------------------------------------------------------
     def start(self) -> Service:
@@ -363,9 +400,26 @@ class Service:
     def stop(self) -> None:
         self._stop.set()
 
+    def _check_wall_clock(self, event: Any, moves: Any, now_ms: int) -> None:
+        """First request on the wall clock: its timestamp must be near the wall clock."""
+        if event is None or self._wall_checked:
+            return
+        self._wall_checked = True
+        skew_ms = wall_ms() - event.ts_ms
+        if abs(skew_ms) > MAX_WALL_CLOCK_SKEW_MS:
+            self.stop()
+            raise ServeError(
+                f"--clock wall, but event {event.request_id!r} is stamped {event.ts_ms} ms, "
+                f"{skew_ms / 86_400_000:,.1f} days from the wall clock: its features would be "
+                "out of range; serve with --clock event (the default) or produce with --restamp"
+            )
+
     def run(self, max_events: int | None = None) -> LoopStats:
         s = self.settings
         self._ready = True
+        if s.clock == "wall" and self._check_wall_clock not in self.sidecar.hooks:
+            self._wall_checked = False
+            self.sidecar.hooks.insert(0, self._check_wall_clock)
         return self.sidecar.run(
             self.source,
             clock=self.clock,
@@ -390,18 +444,30 @@ class Service:
 
 
 @click.command("serve")
-@click.option("--source", help="kafka://HOST:PORT/TOPIC | file:PATH | zmq://HOST:PORT[?...]")
+@click.option(
+    "--source",
+    help="kafka:TOPIC (local broker) | kafka://HOST:PORT/TOPIC | file:PATH | zmq://HOST:PORT[?...] "
+    "[default: kafka:kv-events]",
+)
 @click.option("--model", help="lru | saved policy dir or model file | models:/NAME@ALIAS")
+@click.option(
+    "--fallback",
+    "model_fallback",
+    type=click.Choice(["none", "lru"]),
+    help="If the model cannot be loaded at start: none (exit 1, default) or lru (serve LRU, "
+    "/healthz degraded).",
+)
 @click.option("--executor", help="local:CONFIG.toml | sim:PROFILE | none")
 @click.option(
     "--decisions",
     multiple=True,
-    help="Also publish decisions here: kafka://HOST:PORT/TOPIC | file:PATH (repeatable).",
+    help="Also publish decisions here: kafka:TOPIC | kafka://HOST:PORT/TOPIC | file:PATH "
+    "(repeatable).",
 )
 @click.option(
     "--config",
     "config_path",
-    type=click.Path(dir_okay=False, exists=True),
+    type=click.Path(dir_okay=False),
     help="TOML/YAML settings file (also KVWARM_CONFIG). Flags > KVWARM_* env > file.",
 )
 @click.option(
@@ -410,29 +476,69 @@ class Service:
     help="Serve a learned model behind the online guard (default on; KVWARM_GUARD).",
 )
 @click.option("--http-host", help="Address of /healthz, /readyz, /metrics (default 127.0.0.1).")
-@click.option("--http-port", type=int, help="Port of the HTTP endpoints (0: any free port).")
-@click.option("--clock", type=click.Choice(["wall", "event"]), help="wall (serving) or event time.")
-@click.option("--batch-size", type=int, help="Most events between two flush+commit points.")
-@click.option("--model-poll-s", "model_poll_interval_s", type=float, help="Alias poll interval.")
+@click.option(
+    "--http-port",
+    type=click.IntRange(0, 65535),
+    help="Port of the HTTP endpoints (default 9464; 0: any free port, printed at start).",
+)
+@click.option(
+    "--clock",
+    type=click.Choice(["event", "wall"]),
+    help="Time for features and timers: event (default; the events' own timestamps) or "
+    "wall (events must be stamped with the wall clock, e.g. produce --restamp).",
+)
+@click.option(
+    "--time-unit",
+    type=click.Choice(TIME_UNITS),
+    help="Unit of a file source's timestamps (default auto: by magnitude).",
+)
+@click.option(
+    "--batch-size", type=click.IntRange(1), help="Most events between two flush+commit points."
+)
+@click.option(
+    "--model-poll-s", "model_poll_interval_s", type=click.FloatRange(0), help="Alias poll interval."
+)
+@click.option(
+    "--max-events",
+    type=click.IntRange(1),
+    default=None,
+    help="Exit 0 after handling this many events (default: until the source ends or SIGTERM).",
+)
 @click.option(
     "--print-settings", is_flag=True, help="Print the effective settings as JSON and exit."
 )
-def serve(config_path: str | None, print_settings: bool, **flags: Any) -> None:
+def serve(
+    config_path: str | None, print_settings: bool, max_events: int | None, **flags: Any
+) -> None:
     """Run the sidecar: events in, promote/demote decisions out.
 
     Every setting can also come from KVWARM_<NAME> variables or a config file; see
     serving/settings.py. SIGTERM finishes the batch in hand, delivers its decisions,
     commits the source's offsets and exits 0.
     """
+    from pydantic import ValidationError
+
     flags["decisions"] = tuple(flags["decisions"]) or None
     try:
         settings = load_settings(config_path, **flags)
-    except Exception as exc:
-        raise click.UsageError(str(exc)) from exc
+    except ValidationError as exc:
+        raise click.UsageError(_validation_message(exc)) from None
+    except ValueError as exc:
+        raise click.UsageError(str(exc)) from None
     if print_settings:  # secrets print as '**********'
         click.echo(settings.model_dump_json(indent=2))
         return
-    service = Service(settings).start()
+    try:
+        service = Service(settings)
+    except (ServeError, TraceFormatError, ConnectionError, OSError) as exc:
+        # ConnectionError: KafkaUnavailableError (a one-line message naming the address);
+        # OSError: HealthServerError, a rejects file that cannot be written.
+        raise click.ClickException(_one_line(exc)) from None
+    try:
+        service.start()
+    except HealthServerError as exc:
+        service.close()
+        raise click.ClickException(str(exc)) from None
 
     def on_signal(signum: int, frame: FrameType | None) -> None:
         log.info("signal %d: finishing the batch in hand, then exiting", signum)
@@ -445,11 +551,13 @@ def serve(config_path: str | None, print_settings: bool, **flags: Any) -> None:
     status = service.models.status
     click.echo(
         f"kvwarm serve: model {status.policy} {status.version} ({status.status}"
-        f"{': ' + status.reason if status.reason else ''})",
+        f"{': ' + status.reason if status.reason else ''}), {settings.clock} clock",
         err=True,
     )
     try:
-        stats = service.run()
+        stats = service.run(max_events=max_events)
+    except ServeError as exc:
+        raise click.ClickException(str(exc)) from None
     finally:
         service.close()
     click.echo(
@@ -458,3 +566,22 @@ def serve(config_path: str | None, print_settings: bool, **flags: Any) -> None:
         err=True,
     )
     sys.stdout.flush()
+
+
+def _one_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    if isinstance(exc, OSError) and exc.strerror and exc.filename:
+        text = f"{exc.filename}: {exc.strerror}"
+    return text.splitlines()[0] if text else type(exc).__name__
+
+
+def _validation_message(exc: Any) -> str:
+    """One line from a pydantic ``ValidationError``: the first error, its field and input."""
+    err = exc.errors()[0]
+    where = ".".join(str(p) for p in err.get("loc", ())) or "settings"
+    message = str(err.get("msg", "invalid")).removeprefix("Value error, ")
+    return f"setting {where}: {message}" + (
+        f" (got {err['input']!r:.80})"
+        if "input" in err and not isinstance(err["input"], dict)
+        else ""
+    )

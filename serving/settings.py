@@ -15,17 +15,23 @@ by ``serving.kafka_io.KafkaSecurity`` from ``KVWARM_KAFKA_*``.
 
 Endpoint specs are validated here, so a typo fails at start with the list of valid forms:
 
-- source: ``kafka://HOST:PORT/TOPIC`` | ``file:PATH`` | ``zmq://HOST:PORT[?...]``
+- source: ``kafka://HOST:PORT/TOPIC`` | ``kafka:TOPIC`` (the local broker, see
+  ``local_bootstrap``) | ``file:PATH`` | ``zmq://HOST:PORT[?...]``
 - model: a policy name (``lru``, ``lfu``, ``prefix_lru``), a saved-policy directory or
   a model file inside one, or an MLflow URI (``models:/NAME@ALIAS``,
   ``models:/NAME/VERSION``, ``runs:/RUN_ID/model``)
 - executor: ``local:CONFIG.toml`` | ``sim:PROFILE`` | ``none``
-- decisions: ``kafka://HOST:PORT/TOPIC`` | ``file:PATH`` (any number)
+- decisions: ``kafka://HOST:PORT/TOPIC`` | ``kafka:TOPIC`` | ``file:PATH`` (any number)
+
+Kafka defaults every command shares (``serve``, ``produce``, ``bridge``): the topics
+``DEFAULT_EVENTS_TOPIC``, ``DEFAULT_DECISIONS_TOPIC`` and ``<topic>.dlq``, and the
+bootstrap address ``local_bootstrap()`` when none is given.
 """
 
 from __future__ import annotations
 
 import os
+import re
 from contextvars import ContextVar
 from dataclasses import dataclass
 from pathlib import Path
@@ -42,6 +48,48 @@ from pydantic_settings import (
 )
 
 from serving.planner import PlannerParams
+
+DEFAULT_EVENTS_TOPIC = "kv-events"
+"""Topic of access and residency events: what ``produce`` and ``bridge`` write and
+``serve`` reads unless told otherwise."""
+
+DEFAULT_DECISIONS_TOPIC = "kv-decisions"
+"""Topic the README's examples publish decisions to."""
+
+DEFAULT_BOOTSTRAP = "127.0.0.1:9092"
+"""Where a local broker listens when nothing else is said (``kvwarm kafka up`` takes
+9092 when it is free)."""
+
+BOOTSTRAP_ENV = "KVWARM_KAFKA_BOOTSTRAP"
+
+
+def project_root() -> Path:
+    """The repository root when running from a checkout, else the working directory."""
+    root = Path(__file__).resolve().parents[1]
+    return root if (root / "pyproject.toml").is_file() else Path.cwd()
+
+
+def bootstrap_file() -> Path:
+    """The file ``kvwarm kafka up`` writes the local broker's ``HOST:PORT`` to (and
+    ``kafka down`` removes): ``$KVWARM_CACHE_DIR/kafka/bootstrap`` or
+    ``<repo>/.cache/kafka/bootstrap``."""
+    base = os.environ.get("KVWARM_CACHE_DIR")
+    return (Path(base) if base else project_root() / ".cache") / "kafka" / "bootstrap"
+
+
+def local_bootstrap() -> str:
+    """The Kafka address used when a command is given none, called when an endpoint is
+    parsed: ``$KVWARM_KAFKA_BOOTSTRAP``, else what ``kvwarm kafka up`` wrote to
+    ``bootstrap_file()``, else ``DEFAULT_BOOTSTRAP``."""
+    env = os.environ.get(BOOTSTRAP_ENV, "").strip()
+    if env:
+        return env
+    try:
+        written = bootstrap_file().read_text(encoding="utf-8").strip()
+    except (OSError, UnicodeDecodeError):
+        written = ""
+    return written if re.fullmatch(r"[\w.\-]+:\d{1,5}", written) else DEFAULT_BOOTSTRAP
+
 
 CONFIG_ENV = "KVWARM_CONFIG"
 """Environment variable naming a config file when none is passed explicitly."""
@@ -63,12 +111,20 @@ class Endpoint:
     topic: str = ""
 
 
-SOURCE_FORMS = "kafka://HOST:PORT/TOPIC, file:PATH or zmq://HOST:PORT[?topic=..&replay=..]"
-SINK_FORMS = "kafka://HOST:PORT/TOPIC or file:PATH"
+SOURCE_FORMS = (
+    "kafka://HOST:PORT/TOPIC, kafka:TOPIC (local broker), file:PATH or "
+    "zmq://HOST:PORT[?topic=..&replay=..]"
+)
+SINK_FORMS = "kafka://HOST:PORT/TOPIC, kafka:TOPIC (local broker) or file:PATH"
 EXECUTOR_FORMS = "local:CONFIG.toml, sim:PROFILE or none"
 
 
 def _kafka(spec: str, what: str, forms: str) -> Endpoint:
+    if not spec.startswith("kafka://"):  # kafka:TOPIC: the local broker
+        topic = spec[len("kafka:") :]
+        if not topic or "/" in topic or ":" in topic:
+            raise SettingsError(f"{what} {spec!r} is not kafka:TOPIC; use {forms}")
+        return Endpoint("kafka", local_bootstrap(), topic)
     rest = spec[len("kafka://") :]
     host_port, _, topic = rest.partition("/")
     if not host_port or ":" not in host_port or not topic or "/" in topic:
@@ -78,7 +134,7 @@ def _kafka(spec: str, what: str, forms: str) -> Endpoint:
 
 def parse_source(spec: str) -> Endpoint:
     """Parse ``--source``; raises ``SettingsError`` naming the valid forms."""
-    if spec.startswith("kafka://"):
+    if spec.startswith("kafka:"):
         return _kafka(spec, "source", SOURCE_FORMS)
     if spec.startswith("file:") and len(spec) > 5:
         return Endpoint("file", spec[5:])
@@ -89,7 +145,7 @@ def parse_source(spec: str) -> Endpoint:
 
 def parse_sink(spec: str) -> Endpoint:
     """Parse one ``--decisions`` target."""
-    if spec.startswith("kafka://"):
+    if spec.startswith("kafka:"):
         return _kafka(spec, "decisions target", SINK_FORMS)
     if spec.startswith("file:") and len(spec) > 5:
         return Endpoint("file", spec[5:])
@@ -133,8 +189,14 @@ class SidecarSettings(BaseSettings):
 
     # -- endpoints ---------------------------------------------------------------------
     source: str = Field(
-        "kafka://127.0.0.1:9092/kvwarm.events",
+        f"kafka:{DEFAULT_EVENTS_TOPIC}",
         description=f"Where access and residency events come from: {SOURCE_FORMS}.",
+    )
+    model_fallback: Literal["none", "lru"] = Field(
+        "none",
+        description="What to do when the model cannot be loaded at start: 'none' "
+        "(default) exits with the reason; 'lru' serves LRU and /healthz reports degraded. "
+        "A later reload that fails always keeps the model already serving.",
     )
     model: str = Field(
         "lru",
@@ -224,9 +286,18 @@ class SidecarSettings(BaseSettings):
 
     # -- loop ----------------------------------------------------------------------------
     clock: Literal["wall", "event"] = Field(
-        "wall",
-        description="'wall': now is the wall clock (serving). 'event': now is the event's "
-        "timestamp (replaying a trace as if live).",
+        "event",
+        description="What 'now' is for features, planner and timers. 'event' (default): "
+        "the newest event's own timestamp, as in training and replay, so the same events "
+        "give the same decisions from a file or from Kafka; the wall clock only measures "
+        "lag. 'wall': the wall clock, for producers that stamp events with the wall clock "
+        "and a model that should see idle time between events; events whose timestamps "
+        "are far from the wall clock are then refused at start.",
+    )
+    time_unit: Literal["auto", "s", "ms", "us", "ns"] = Field(
+        "auto",
+        description="Unit of a file source's timestamps; 'auto' decides by magnitude "
+        "(features.decoders.TIME_UNITS).",
     )
     batch_size: int = Field(
         1_024,
@@ -365,8 +436,35 @@ def load_settings(
             raise SettingsError(
                 f"config file {path} does not exist; check {CONFIG_ENV} or --config"
             )
+        _check_config_keys(path)
     token = _CONFIG_PATH.set(path)
     try:
         return SidecarSettings(**{k: v for k, v in overrides.items() if v is not None})
     finally:
         _CONFIG_PATH.reset(token)
+
+
+def _check_config_keys(path: Path) -> None:
+    """Refuse a config file with a key that is no setting (a typo would otherwise be
+    silently ignored); nested planner keys are checked by ``PlannerParams`` itself."""
+    try:
+        if path.suffix == ".toml":
+            import tomllib
+
+            data: Any = tomllib.loads(path.read_text(encoding="utf-8"))
+        else:
+            import yaml
+
+            data = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except Exception as exc:  # tomllib, yaml and UnicodeDecodeError all land here
+        raise SettingsError(f"config file {path} cannot be parsed: {exc}".splitlines()[0]) from None
+    if data is None:
+        return
+    if not isinstance(data, dict):
+        raise SettingsError(f"config file {path} must hold a table of settings")
+    unknown = sorted(set(data) - set(SidecarSettings.model_fields))
+    if unknown:
+        raise SettingsError(
+            f"config file {path}: unknown setting(s) {', '.join(unknown)}; valid: "
+            f"{', '.join(sorted(SidecarSettings.model_fields))}"
+        )

@@ -38,10 +38,20 @@ class EventSource(Protocol):
     def stats(self) -> dict[str, Any]: ...
 
 
+@runtime_checkable
+class ReportsReadiness(Protocol):
+    """A source that can be up yet unable to deliver (a ZMQ source with no engine
+    connected) declares it: ``ready`` is read by ``/readyz`` from the HTTP thread."""
+
+    @property
+    def ready(self) -> bool: ...
+
+
 class FileSource:
     """Streams a trace file (any format ``read_trace`` knows) as a source.
 
-    Rejected rows go to ``rejects_path`` when given and are always counted.
+    Rejected rows go to ``rejects_path`` when given and are always counted. Timestamps
+    are read in ``time_unit`` (``features.decoders.TIME_UNITS``).
     """
 
     def __init__(
@@ -50,10 +60,14 @@ class FileSource:
         *,
         fmt: str = "auto",
         rejects_path: str | os.PathLike[str] | None = None,
+        time_unit: str = "auto",
     ) -> None:
         self.path = Path(path)
         self.rejects = RejectLog(path=Path(rejects_path) if rejects_path else None)
-        self._events: Iterator[Event] = read_trace(self.path, fmt=fmt, rejects=self.rejects)
+        # Raises TraceFormatError here, at start, for a missing or binary file.
+        self._events: Iterator[Event] = read_trace(
+            self.path, fmt=fmt, rejects=self.rejects, time_unit=time_unit
+        )
         self._exhausted = False
         self.num_events = 0
 

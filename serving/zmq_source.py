@@ -240,11 +240,18 @@ class ZmqSubscriber:
         self.streams: dict[str, EngineStreamStats] = {}
         self.bad_frames: Counter[str] = Counter()
         self._poller = zmq.Poller()
+        self._monitors: dict[str, zmq.Socket[bytes]] = {}
+        self.connected: set[str] = set()
+        """Engines whose publisher socket is connected now (updated by ``receive``)."""
         for engine in self.engines:
             sock = self._ctx.socket(zmq.SUB)
             sock.setsockopt(zmq.LINGER, 0)
             sock.setsockopt(zmq.RCVHWM, rcv_hwm)
             sock.setsockopt(zmq.SUBSCRIBE, engine.topic.encode())
+            # Connection events of this socket, read in ``receive`` (the loop's thread).
+            self._monitors[engine.engine_id] = sock.get_monitor_socket(
+                zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED
+            )
             sock.connect(engine.endpoint)
             self._subs[engine.engine_id] = sock
             self._poller.register(sock, zmq.POLLIN)
@@ -258,11 +265,26 @@ class ZmqSubscriber:
         waiting at most ``timeout_ms`` for the first one."""
         if self._closed:
             return []
+        self._track_connections()
         out: list[EngineBatch] = []
         self._drain(out, max_batches)
         if not out and timeout_ms > 0 and self._poller.poll(timeout_ms):
             self._drain(out, max_batches)
         return out
+
+    def _track_connections(self) -> None:
+        from zmq.utils.monitor import recv_monitor_message
+
+        for engine_id, monitor in self._monitors.items():
+            while True:
+                try:
+                    event = recv_monitor_message(monitor, flags=zmq.NOBLOCK)
+                except zmq.Again:
+                    break
+                if event["event"] == zmq.EVENT_CONNECTED:
+                    self.connected.add(engine_id)
+                elif event["event"] == zmq.EVENT_DISCONNECTED:
+                    self.connected.discard(engine_id)
 
     def _drain(self, out: list[EngineBatch], max_batches: int) -> None:
         # Round robin so a busy engine cannot starve the others.
@@ -392,7 +414,10 @@ class ZmqSubscriber:
         if self._closed:
             return
         self._closed = True
-        for sock in self._subs.values():
+        self.connected.clear()
+        for engine_id, sock in self._subs.items():
+            sock.disable_monitor()
+            self._monitors[engine_id].close(linger=0)
             sock.close(linger=0)
         for engine_id in list(self._replays):
             self._drop_replay_socket(engine_id)
@@ -610,6 +635,12 @@ class ZmqEventSource:
 
     def commit(self) -> None:
         """ZMQ has no offsets to commit."""
+
+    @property
+    def ready(self) -> bool:
+        """At least one engine's publisher is connected (``/readyz``); read from any
+        thread, updated by ``poll``."""
+        return not self._closed and bool(self.subscriber.connected)
 
     def close(self) -> None:
         if self._closed:

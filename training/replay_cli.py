@@ -12,7 +12,7 @@ from typing import Any
 import click
 import numpy as np
 
-from features.decoders import RejectLog, TraceFormatError, read_trace
+from features.decoders import TIME_UNITS, RejectLog, TraceFormatError, read_trace
 from features.events import BlocksAccessed
 from features.stats_cli import parse_fractions
 from predictor.base import Policy
@@ -40,21 +40,36 @@ def make_trainer(quick: bool, horizon_ms: int = 60_000) -> Trainer:
         from training.train import fit_policy_on_events
 
         return fit_policy_on_events(
-            name, events, quick=quick, horizon_ms=int(horizon_ms * time_scale)
+            name,
+            events,
+            quick=quick,
+            horizon_ms=int(horizon_ms * time_scale),
+            time_scale=time_scale,
         )
 
     return trainer
 
 
 def _load_models(specs: tuple[str, ...]) -> dict[str, Policy]:
+    from predictor.base import PolicyError
+
     models: dict[str, Policy] = {}
     for spec in specs:
         name, sep, uri = spec.partition("=")
         if not sep or name not in LEARNED:
-            raise click.BadParameter(f"{spec!r}: expected lightgbm=PATH_OR_URI or lstm=PATH_OR_URI")
+            raise click.BadParameter(
+                f"{spec!r}: expected lightgbm=PATH_OR_URI or lstm=PATH_OR_URI",
+                param_hint="--model",
+            )
         from training.tracking import load_policy_uri
 
-        models[name] = load_policy_uri(uri)
+        try:
+            models[name] = load_policy_uri(uri)
+        except (PolicyError, OSError) as exc:
+            raise click.ClickException(
+                f"--model {spec}: {str(exc).splitlines()[0]}; check the name and alias "
+                "(kvwarm train ... --register NAME --alias ALIAS) or pass a saved policy directory"
+            ) from None
     return models
 
 
@@ -77,6 +92,7 @@ def write_outputs(
     trace_name: str,
     checksum: str | None,
     experiment: str | None,
+    training: str = "full",
 ) -> dict[str, Any]:
     """results.json + PNG plots in ``out_dir``; the same logged to MLflow unless
     ``experiment`` is None. Returns what was written."""
@@ -86,6 +102,7 @@ def write_outputs(
     data = _jsonable(report.to_dict())
     data["trace"]["name"] = trace_name
     data["trace"]["sha256"] = checksum
+    data["config"]["training"] = training
     results = out_dir / "results.json"
     results.write_text(json.dumps(data, indent=2))
     figures = plots.write_plots(report, out_dir)
@@ -152,14 +169,19 @@ def _run(
         trace_name=trace.name,
         checksum=trace_checksum(trace),
         experiment=experiment,
+        training="quick" if quick else "full",
     )
     click.echo("")
     click.echo(f"results: {written['results']}")
     for plot in written["plots"]:
         click.echo(f"plot:    {plot}")
     if "mlflow_run_id" in written:
-        click.echo(f"MLflow run {written['mlflow_run_id']} in {written['tracking_uri']}")
-        click.echo(f"open it with: mlflow ui --backend-store-uri {written['tracking_uri']}")
+        from training.tracking import masked_uri, ui_command
+
+        click.echo(
+            f"MLflow run {written['mlflow_run_id']} in {masked_uri(written['tracking_uri'])}"
+        )
+        click.echo(f"browse the run: {ui_command(written['tracking_uri'])}")
     click.echo(f"took {report.seconds:.0f} s")
     return report
 
@@ -193,7 +215,25 @@ _common = [
         help="Offered prefill load with nothing cached; sets the time scale.",
     ),
     click.option(
-        "--modes", default="single,tiered", show_default=True, help="single, tiered or both."
+        "--modes",
+        default="single,tiered",
+        show_default=True,
+        help="Comma-separated: single, tiered, or single,tiered.",
+    ),
+    click.option(
+        "--training",
+        type=click.Choice(["full", "quick"]),
+        default=None,
+        help="How the learned policies train on the first part: full (what kvwarm train "
+        "does; replay's default) or quick (seconds, fewer trees; demo's default). The two "
+        "give different learned numbers; results.json records which.",
+    ),
+    click.option(
+        "--time-unit",
+        type=click.Choice(TIME_UNITS),
+        default="auto",
+        show_default=True,
+        help="Unit of the trace's timestamps (auto: by magnitude).",
     ),
     click.option("--no-peers", is_flag=True, help="Skip the libCacheSim policies."),
     click.option(
@@ -238,6 +278,9 @@ def comparison_options(fn: Any) -> Any:
     ) -> Any:
         config = _config(policies, capacities, train_fraction, profile, load, modes, no_peers)
         config.guard = guard
+        experiment = kwargs.get("experiment")
+        if experiment is not None and experiment != "" and not experiment.strip():
+            raise click.BadParameter("blank name; use '' to skip MLflow", param_hint="--experiment")
         return fn(*args, config=config, **kwargs)
 
     for option in reversed(_common):
@@ -260,11 +303,20 @@ def _config(
     unknown = [n for n in names if n not in available_policies()]
     if unknown:
         raise click.BadParameter(
-            f"unknown policies {unknown}; valid: {', '.join(available_policies())}"
+            f"unknown policies {unknown}; valid: {', '.join(available_policies())}",
+            param_hint="--policies",
         )
     mode_list = tuple(m.strip() for m in modes.split(",") if m.strip())
     if not mode_list or any(m not in ("single", "tiered") for m in mode_list):
-        raise click.BadParameter(f"{modes!r}: modes are single and/or tiered")
+        raise click.BadParameter(
+            f"{modes!r}: give single, tiered, or single,tiered", param_hint="--modes"
+        )
+    if profile is not None and profile != "default" and not Path(profile).is_file():
+        raise click.BadParameter(
+            f"{profile}: no such profile file; omit --profile for the bundled 480B TP8 "
+            "profile (executor/profiles/default.toml) or pass a TOML file shaped like it",
+            param_hint="--profile",
+        )
     return ComparisonConfig(
         policies=names,
         capacities=parse_fractions(capacities),
@@ -297,24 +349,33 @@ def replay(
     config: ComparisonConfig,
     out_dir: Path | None,
     experiment: str,
+    training: str | None,
+    time_unit: str,
 ) -> None:
     """Replay a trace through the sidecar loop for every policy and capacity, in the
     single-tier and tiered-with-prefetch settings; train the learned policies on the
     first part of the trace by time unless models are given."""
     rejects = RejectLog()
     try:
-        events = list(read_trace(trace, rejects=rejects))
+        events = list(read_trace(trace, rejects=rejects, time_unit=time_unit))
     except TraceFormatError as exc:
         raise click.ClickException(str(exc)) from None
+    if not events:
+        raise click.ClickException(
+            f"{trace}: no valid requests to replay; "
+            + (rejects.summary() or "the file holds no rows")
+        )
     if rejects.total:
-        click.echo(f"{rejects.total} rows rejected: {dict(rejects.counts)}", err=True)
+        click.echo(rejects.summary(), err=True)
+    loaded = _load_models(models)
     _run(
         trace,
         events,
         config,
-        models=_load_models(models),
+        models=loaded,
         out_dir=_out_dir(out_dir, trace.name.split(".")[0]),
         experiment=experiment or None,
+        quick=training == "quick",
     )
 
 
@@ -338,6 +399,8 @@ def demo(
     config: ComparisonConfig,
     out_dir: Path | None,
     experiment: str,
+    training: str | None,
+    time_unit: str,
 ) -> None:
     """The main job on an embedded default: generate a workload, train LightGBM and
     the LSTM, replay every policy against the baselines and the oracle, print the
@@ -348,7 +411,13 @@ def demo(
     trace = generate_to_file(
         params_for(mix, num_requests=num_requests, seed=seed), out / f"{mix}-{num_requests}.jsonl"
     )
-    click.echo(f"generated {num_requests:,} requests ({mix}, seed {seed}) in {trace}", err=True)
+    quick = training != "full"
+    click.echo(
+        f"generated {num_requests:,} requests ({mix}, seed {seed}) in {trace}; learned "
+        f"policies train {'quick' if quick else 'full'} (same numbers: kvwarm replay --trace "
+        f"{trace} --training {'quick' if quick else 'full'})",
+        err=True,
+    )
     _run(
         trace,
         list(read_trace(trace)),
@@ -356,6 +425,6 @@ def demo(
         models={},
         out_dir=out,
         experiment=experiment or None,
-        quick=True,
+        quick=quick,
     )
     click.echo(f"\nplots and results.json are in {out}/")

@@ -29,6 +29,7 @@ from typing import Any
 from executor.sim.profile import Profile, load_profile
 from features.annotate import access_arrays
 from features.events import BlocksAccessed
+from features.trace_stats import fmt_number
 from predictor.base import Policy
 from predictor.oracle import FutureAccesses
 from predictor.registry import make_policy
@@ -317,6 +318,10 @@ def _peer_ratios(test: Sequence[BlocksAccessed], capacity: int) -> dict[str, Any
 # --- presentation -----------------------------------------------------------------
 
 
+def _pct(value: float | None) -> float | None:
+    return None if value is None else value * 100
+
+
 def format_single(report: ComparisonReport) -> str:
     if not report.single:
         return ""
@@ -330,7 +335,9 @@ def format_single(report: ComparisonReport) -> str:
     for row in report.single:
         refs = row["references"]
         cells = [
-            f"{row['policies'][n]:.4f}({row['gap_closed'][n] * 100:+.0f}%)".rjust(10) for n in names
+            f"{fmt_number(row['policies'][n], '.4f')}"
+            f"({fmt_number(_pct(row['gap_closed'][n]), '+.0f')}%)".rjust(10)
+            for n in names
         ]
         peer = row.get("peers", {}).get("hit_ratios", {})
         best = max(peer.items(), key=lambda kv: kv[1]) if peer else None
@@ -355,7 +362,8 @@ def format_tiered(report: ComparisonReport) -> str:
         hits = row["hit_ratio_by_tier"]
         lines.append(
             f"{row['capacity'] * 100:>7g}% {row['policy']:>11} {t['p50']:>7.0f} {t['p90']:>7.0f} {t['p99']:>7.0f} "
-            f"{row['ttft_p50_change'] * 100:>+7.1f}% {row['throughput_rps']:>6.2f} {row['throughput_change'] * 100:>+7.1f}% "
-            f"{hits.get('hbm', 0):>8.3f} {hits.get('dram', 0):>8.3f} {row['prefetch_precision']:>7.2f}"
+            f"{fmt_number(_pct(row['ttft_p50_change']), '>+7.1f')}% {fmt_number(row['throughput_rps'], '>6.2f')} "
+            f"{fmt_number(_pct(row['throughput_change']), '>+7.1f')}% "
+            f"{hits.get('hbm', 0):>8.3f} {hits.get('dram', 0):>8.3f} {fmt_number(row['prefetch_precision'], '>7.2f')}"
         )
     return "\n".join(lines)

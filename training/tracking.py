@@ -2,8 +2,11 @@
 
 Primitives:
 
-- ``tracking_uri()``: ``MLFLOW_TRACKING_URI`` when set, else a local SQLite store in
-  ``./mlruns`` (git-ignored; MLflow 3 keeps the plain file store in maintenance mode).
+- ``tracking_uri()``: ``MLFLOW_TRACKING_URI`` when set, else ``sqlite:///mlflow.db`` in
+  the working directory with artifacts in ``./mlartifacts`` (both git-ignored): the
+  store a plain ``mlflow ui`` opens there. ``ui_command()`` is the command to browse it.
+- ``model_version_for_uri(uri)``: the registry version an alias names now (one lookup,
+  no download), for the sidecar's poll.
 - ``tracked_run(experiment, run_name)``: a context manager giving a ``TrackedRun`` with
   ``log_params``, ``log_metrics``, ``log_figure`` (PNG), ``log_dict`` and
   ``log_policy`` (the saved policy as an MLflow pyfunc model with a signature,
@@ -22,9 +25,10 @@ policy's probability of reuse within the horizon.
 from __future__ import annotations
 
 import os
+import re
 import tempfile
 from collections.abc import Iterator, Mapping
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -37,9 +41,12 @@ from mlflow.pyfunc import PythonModel
 
 from predictor import Policy, PolicyLoadError, load_policy
 
-DEFAULT_STORE_DIR = Path("mlruns")
-"""Where the default local store lives, relative to the working directory (the project
-folder when run from the repo root)."""
+DEFAULT_STORE_DB = Path("mlflow.db")
+"""The default local store, relative to the working directory (the project folder when
+run from the repo root); ``mlflow ui`` opens ``sqlite:///mlflow.db`` by default."""
+
+DEFAULT_ARTIFACTS_DIR = Path("mlartifacts")
+"""Artifacts of the default store (``mlflow server``'s own default folder name)."""
 
 MODEL_ARTIFACT_PATH = "model"
 POLICY_ARTIFACT_KEY = "policy"
@@ -63,8 +70,23 @@ def tracking_uri() -> str:
     env = os.environ.get("MLFLOW_TRACKING_URI")
     if env:
         return env
-    store = DEFAULT_STORE_DIR.resolve()
-    return f"sqlite:///{store / 'mlflow.db'}"
+    return f"sqlite:///{DEFAULT_STORE_DB.resolve()}"
+
+
+def masked_uri(uri: str) -> str:
+    """``uri`` with any ``user:password@`` replaced by ``***@`` (safe to print)."""
+    return re.sub(r"(://)[^/@\s]+@", r"\1***@", uri)
+
+
+def ui_command(uri: str) -> str:
+    """The command that browses ``uri``'s runs (relative to the working directory when
+    the store is under it, so it can be copied as printed)."""
+    if uri.startswith("sqlite:///"):
+        db = Path(uri[len("sqlite:///") :])
+        with suppress(ValueError):
+            db = db.resolve().relative_to(Path.cwd().resolve())
+        return f"mlflow ui --backend-store-uri sqlite:///{db}"
+    return f"open {masked_uri(uri)} in a browser"
 
 
 def _artifact_root_for(uri: str) -> str | None:
@@ -72,8 +94,18 @@ def _artifact_root_for(uri: str) -> str | None:
     whatever directory the process happens to run in."""
     if uri.startswith("sqlite:///"):
         db = Path(uri[len("sqlite:///") :])
-        return (db.parent / "artifacts").resolve().as_uri()
+        return (db.parent / DEFAULT_ARTIFACTS_DIR).resolve().as_uri()
     return None
+
+
+def _require_local_store(uri: str) -> None:
+    """A lookup never creates a store: a local SQLite file that does not exist means
+    nothing was ever logged there."""
+    if uri.startswith("sqlite:///") and not Path(uri[len("sqlite:///") :]).is_file():
+        raise TrackingError(
+            f"no MLflow store at {uri}; train and register a model first "
+            "(kvwarm train ... --register NAME --alias champion) or set MLFLOW_TRACKING_URI"
+        )
 
 
 def configure(uri: str | None = None) -> str:
@@ -238,13 +270,23 @@ def resolve_policy_dir(
     (resolved against ``store_uri``, default ``tracking_uri()``)."""
     if "://" not in uri and not uri.startswith(("models:", "runs:")):
         return Path(uri)
+    try:
+        _require_local_store(store_uri or tracking_uri())
+    except TrackingError as exc:
+        raise PolicyLoadError(uri, str(exc)) from None
     configure(store_uri)
+    # No progress bar in a service's log on every download.
+    os.environ["MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR"] = "false"
     if dst is None:
         dst = tempfile.mkdtemp(prefix="kvwarm-model-")
     try:
         local = Path(mlflow.artifacts.download_artifacts(artifact_uri=uri, dst_path=str(dst)))
     except Exception as exc:  # MLflow raises several types for a missing model or alias
-        raise PolicyLoadError(uri, f"MLflow could not fetch it ({exc})") from exc
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise PolicyLoadError(
+            uri,
+            f"MLflow could not fetch it from {masked_uri(store_uri or tracking_uri())} ({first})",
+        ) from None
     for candidate in (
         local / "artifacts" / POLICY_ARTIFACT_KEY,
         local / POLICY_ARTIFACT_KEY,
@@ -260,3 +302,29 @@ def resolve_policy_dir(
 def load_policy_uri(uri: str, *, store_uri: str | None = None, **kwargs: Any) -> Policy:
     """Load a policy from a directory or an MLflow model URI (``models:/NAME@ALIAS``)."""
     return load_policy(resolve_policy_dir(uri, store_uri=store_uri), **kwargs)
+
+
+def model_version_for_uri(uri: str, *, store_uri: str | None = None) -> str:
+    """The registry version ``models:/NAME@ALIAS`` (or ``models:/NAME/VERSION``) names
+    now, from one registry lookup (``MlflowClient.get_model_version_by_alias``), nothing
+    downloaded; ``""`` for other URIs (``runs:/``). Called by the sidecar on every poll."""
+    if not uri.startswith("models:/"):
+        return ""
+    rest = uri[len("models:/") :]
+    try:
+        _require_local_store(store_uri or tracking_uri())
+    except TrackingError as exc:
+        raise PolicyLoadError(uri, str(exc)) from None
+    configure(store_uri)
+    try:
+        if "@" in rest:
+            name, _, alias = rest.partition("@")
+            return str(mlflow.MlflowClient().get_model_version_by_alias(name, alias).version)
+        name, _, version = rest.partition("/")
+        return str(mlflow.MlflowClient().get_model_version(name, version).version)
+    except Exception as exc:  # MLflow raises several types for a missing model or alias
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise PolicyLoadError(
+            uri,
+            f"not in the MLflow registry at {masked_uri(store_uri or tracking_uri())} ({first})",
+        ) from None

@@ -553,7 +553,9 @@ def log_training_run(
                 f"on this trace serve {validation.winner} (version {logged.version} is "
                 "registered without the alias)"
             )
-    say(f"MLflow run {run.run_id} at {run.tracking_uri}; model {result.model_uri}")
+    from training.tracking import masked_uri
+
+    say(f"MLflow run {run.run_id} at {masked_uri(run.tracking_uri)}; model {result.model_uri}")
 
 
 def permutation_importance(
@@ -586,9 +588,11 @@ def fit_policy_on_events(
     seed: int = 0,
     quick: bool = True,
     horizon_ms: int = 60_000,
+    time_scale: float = 1.0,
 ) -> LearnedPolicy:
     """A learned policy fitted on the first 75% (by time) of ``events``, validated on
-    the rest; ``quick`` keeps it to seconds (tests, demos)."""
+    the rest; ``quick`` keeps it to seconds (tests, demos). ``time_scale``: how much a
+    replay stretched ``events``' time, recorded in the model's time base."""
     if len(events) < 3:
         raise TrainingError(f"need at least 3 requests, got {len(events)}")
     # Eviction asks about idle residents at any time since their last access, so the
@@ -616,7 +620,7 @@ def fit_policy_on_events(
         if name == "lightgbm"
         else {"max_epochs": 2, "hidden_size": 8, "context_size": 16, "max_train_rows": 20_000}
     )
-    return fit_learned(
+    policy = fit_learned(
         name,
         train,
         valid,
@@ -624,3 +628,5 @@ def fit_policy_on_events(
         seed=seed,
         model_params=quick_params if quick else {},
     )
+    policy.training_info["time_base"] = {"unit": "ms", "clock": "event", "time_scale": time_scale}
+    return policy

@@ -11,14 +11,20 @@ from typing import Any
 import click
 
 _DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(ms|s|m|min|h)?\s*$")
-_UNIT_MS = {None: 1, "ms": 1, "s": 1000, "m": 60_000, "min": 60_000, "h": 3_600_000}
+_UNIT_MS = {"ms": 1, "s": 1000, "m": 60_000, "min": 60_000, "h": 3_600_000}
 
 
 def parse_duration_ms(text: str) -> int:
-    """``"60s"`` -> 60000; a bare number is milliseconds."""
+    """``"60s"`` -> 60000. The unit is required: a bare ``60`` is refused (it has meant
+    ms to some readers and seconds to others)."""
     match = _DURATION.match(text)
     if not match:
         raise click.BadParameter(f"{text!r} is not a duration; use e.g. 60s, 2m, 45000ms")
+    if match.group(2) is None:
+        raise click.BadParameter(
+            f"{text!r} has no unit; write {match.group(1)}s, {match.group(1)}ms or "
+            f"{match.group(1)}m"
+        )
     value = int(float(match.group(1)) * _UNIT_MS[match.group(2)])
     if value <= 0:
         raise click.BadParameter("the horizon must be positive")
@@ -57,7 +63,8 @@ def _parse_params(pairs: tuple[str, ...]) -> dict[str, Any]:
     "horizon",
     default="60s",
     show_default=True,
-    help="H: predict reuse within (t, t+H]; e.g. 60s, 2m, 45000ms.",
+    help="H: predict reuse within (t, t+H]; with a unit: 60s, 2m, 45000ms.",
+    callback=lambda ctx, param, value: parse_duration_ms(value),
 )
 @click.option("--experiment", default="kvwarm", show_default=True, help="MLflow experiment name.")
 @click.option("--register", "register", default=None, help="Register the model under this name.")
@@ -90,7 +97,7 @@ def _parse_params(pairs: tuple[str, ...]) -> dict[str, Any]:
 @click.option(
     "--tracking-uri",
     default=None,
-    help="MLflow tracking URI (default: MLFLOW_TRACKING_URI or ./mlruns).",
+    help="MLflow tracking URI (default: MLFLOW_TRACKING_URI or sqlite:///mlflow.db).",
 )
 @click.option(
     "--gate/--no-gate",
@@ -103,7 +110,7 @@ def _parse_params(pairs: tuple[str, ...]) -> dict[str, Any]:
 def train(
     trace: Path,
     model: str,
-    horizon: str,
+    horizon: int,
     experiment: str,
     register: str | None,
     alias: str | None,
@@ -120,10 +127,16 @@ def train(
 
     if alias and not register:
         raise click.UsageError("--alias needs --register NAME")
+    if not experiment.strip():
+        raise click.BadParameter(
+            "an MLflow experiment needs a name (train always logs its run); e.g. "
+            "--experiment kvwarm",
+            param_hint="--experiment",
+        )
     try:
         config = TrainConfig(
             model=model,
-            horizon_ms=parse_duration_ms(horizon),
+            horizon_ms=horizon,
             train_fraction=train_fraction,
             seed=seed,
             model_params=_parse_params(params),
@@ -139,8 +152,8 @@ def train(
             echo=click.echo,
             show_progress=not no_progress,
         )
-    except (TrainingError, ValueError) as exc:
-        raise click.ClickException(str(exc)) from exc
+    except (TrainingError, ValueError, OSError) as exc:
+        raise click.ClickException(str(exc)) from None
     click.echo("")
     click.echo(result.table())
     click.echo("")
@@ -149,3 +162,7 @@ def train(
     if save_dir is not None:
         result.policy.save(save_dir)
         click.echo(f"saved policy to {save_dir}")
+    from training.tracking import tracking_uri as default_uri
+    from training.tracking import ui_command
+
+    click.echo(f"browse the run: {ui_command(tracking_uri or default_uri())}")

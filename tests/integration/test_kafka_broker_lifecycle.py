@@ -33,7 +33,7 @@ def test_cli_up_status_down(tmp_path: Path) -> None:
         if up.returncode != 0 and os.environ.get("CI", "").lower() not in ("1", "true", "yes"):
             pytest.skip(f"no local broker here: {up.stderr[-500:]}")
         assert up.returncode == 0, up.stderr
-        assert "export KVWARM_KAFKA_BOOTSTRAP=127.0.0.1:" in up.stdout
+        assert "bootstrap 127.0.0.1:" in up.stdout  # and written to the bootstrap file
         status = _kvwarm("kafka", "status", "--state-dir", state)
         assert status.returncode == 0 and "accepting connections" in status.stdout
         # The broker outlives `up` (its own session), and `up` again is a no-op.

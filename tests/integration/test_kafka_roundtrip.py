@@ -121,7 +121,13 @@ def test_decision_sink_keys_by_block_hash(
 def test_unreachable_broker_names_the_address() -> None:
     address = f"127.0.0.1:{free_port()}"  # nothing listens there
     with pytest.raises(KafkaUnavailableError, match=address) as info:
+        KafkaEventSource(address, "t", options=ConnectOptions(probe_s=0.3))
+    # The TCP probe answers before any client is built: one line, address and fix.
+    assert "\n" not in str(info.value) and "kvwarm kafka up" in str(info.value)
+    with pytest.raises(KafkaUnavailableError, match=address) as info:
         KafkaEventSource(
-            address, "t", options=ConnectOptions(attempts=2, attempt_timeout_ms=300, backoff_s=0.05)
+            address,
+            "t",
+            options=ConnectOptions(attempts=2, attempt_timeout_ms=300, backoff_s=0.05, probe_s=0),
         )
     assert "kvwarm kafka status" in str(info.value) and "after 2 tries" in str(info.value)

@@ -59,7 +59,7 @@ def test_alias_move_recovers_from_a_corrupt_version_without_restart(tmp_path, sm
     store = tmp_path / "mlruns"
     store_uri = f"sqlite:///{store / 'mlflow.db'}"
     _register(store_uri, seed=1)
-    corrupted = list((store / "artifacts").rglob("model.txt"))
+    corrupted = list((store / "mlartifacts").rglob("model.txt"))
     assert corrupted, "the logged model's files should be in the local artifact store"
     for path in corrupted:
         path.write_text("not a LightGBM model")
@@ -68,6 +68,7 @@ def test_alias_move_recovers_from_a_corrupt_version_without_restart(tmp_path, sm
         None,
         source=f"file:{small_trace}",
         model=f"models:/{MODEL_NAME}@champion",
+        model_fallback="lru",
         mlflow_tracking_uri=store_uri,
         model_poll_interval_s=0.5,
         batch_size=50,

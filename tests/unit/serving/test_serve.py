@@ -6,6 +6,8 @@ import signal
 import subprocess
 import sys
 import time
+import urllib.error
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -133,7 +135,7 @@ def test_sigterm_finishes_the_batch_and_exits_zero(small_trace, tmp_path):
     config.write_text(f'source = "file:{small_trace}"\nhttp_port = 0\nbatch_size = 32\n')
     proc = _serve(
         ["--config", str(config), "--decisions", f"file:{out}", "--executor", "sim:default"],
-        {"KVWARM_CLOCK": "wall", "KVWARM_TARGET_BATCH_LATENCY_MS": "5"},
+        {"KVWARM_TARGET_BATCH_LATENCY_MS": "5"},
     )
     deadline = time.monotonic() + 120
     while not (out.exists() and out.stat().st_size > 0):
@@ -156,7 +158,10 @@ def test_bad_settings_fail_with_a_usage_error(small_trace):
     proc = _serve(["--source", "http://nope"])
     _, stderr = proc.communicate(timeout=60)
     assert proc.returncode == 2
-    assert "kafka://HOST:PORT/TOPIC, file:PATH or zmq://" in stderr.decode()
+    assert (
+        "kafka://HOST:PORT/TOPIC, kafka:TOPIC (local broker), file:PATH or zmq://"
+        in stderr.decode()
+    )
 
 
 def test_the_trace_is_read_once_through(tmp_path):
@@ -284,3 +289,49 @@ def test_a_learned_model_is_served_behind_the_guard_visible_in_health_and_metric
         assert "guard" not in unguarded.health()
     finally:
         unguarded.close()
+
+
+def test_readyz_waits_for_a_zmq_engine_to_connect():
+    import socket
+    import threading
+
+    import zmq
+
+    with socket.socket() as probe:  # a port nothing listens on yet
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    settings = load_settings(
+        None,
+        source=f"zmq://127.0.0.1:{port}",
+        http_port=0,
+        model_poll_interval_s=0,
+        poll_timeout_ms=20,
+    )
+    service = Service(settings).start()
+    runner = threading.Thread(target=service.run)
+    runner.start()
+
+    def readyz() -> int:
+        try:
+            with urllib.request.urlopen(service.http.url + "/readyz", timeout=10) as response:
+                return response.status
+        except urllib.error.HTTPError as exc:
+            return exc.code
+
+    try:
+        time.sleep(0.3)  # the loop polls with no engine behind the address
+        assert readyz() == 503
+        engine = zmq.Context.instance().socket(zmq.PUB)  # an engine's publisher appears
+        engine.setsockopt(zmq.LINGER, 0)
+        engine.bind(f"tcp://127.0.0.1:{port}")
+        try:
+            deadline = time.monotonic() + 30
+            while readyz() != 200:
+                assert time.monotonic() < deadline, "never ready with an engine connected"
+                time.sleep(0.05)
+        finally:
+            engine.close()
+    finally:
+        service.stop()
+        runner.join(timeout=30)
+        service.close()

@@ -112,5 +112,5 @@ def test_endpoint_parsers():
     assert parse_sink("file:d.jsonl").scheme == "file"
     assert parse_executor("local:cfg.toml").target == "cfg.toml"
     assert parse_executor("none").scheme == "none"
-    with pytest.raises(SettingsError, match="kafka://HOST:PORT/TOPIC or file:PATH"):
+    with pytest.raises(SettingsError, match="kafka:TOPIC .local broker. or file:PATH"):
         parse_sink("kafka://127.0.0.1:9092/")

@@ -111,12 +111,39 @@ def test_registered_version_has_alias_signature_and_scores_identically(tracked, 
     )
 
 
-def test_default_store_is_local_sqlite_under_mlruns(monkeypatch, tmp_path):
+def test_default_store_is_the_one_mlflow_ui_opens(monkeypatch, tmp_path):
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
     monkeypatch.chdir(tmp_path)
-    assert tracking.tracking_uri() == f"sqlite:///{tmp_path / 'mlruns' / 'mlflow.db'}"
+    assert tracking.tracking_uri() == f"sqlite:///{tmp_path / 'mlflow.db'}"
+    assert tracking.ui_command(tracking.tracking_uri()) == (
+        "mlflow ui --backend-store-uri sqlite:///mlflow.db"
+    )
     monkeypatch.setenv("MLFLOW_TRACKING_URI", "sqlite:///elsewhere.db")
     assert tracking.tracking_uri() == "sqlite:///elsewhere.db"
+
+
+def test_uri_credentials_are_masked():
+    assert tracking.masked_uri("https://bob:s3cret@mlflow.example:5000/x") == (
+        "https://***@mlflow.example:5000/x"
+    )
+    assert "s3cret" not in tracking.ui_command("postgresql://bob:s3cret@db/mlflow")
+
+
+def test_lookup_in_a_missing_store_creates_nothing(tmp_path):
+    uri = f"sqlite:///{tmp_path / 'nothing' / 'mlflow.db'}"
+    with pytest.raises(PolicyLoadError, match="no MLflow store"):
+        tracking.load_policy_uri("models:/kv-test@champion", store_uri=uri)
+    with pytest.raises(PolicyLoadError, match="no MLflow store"):
+        tracking.model_version_for_uri("models:/kv-test@champion", store_uri=uri)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_alias_version_is_looked_up_without_download(tracked):
+    _, uri, _, _ = tracked
+    version = tracking.model_version_for_uri("models:/kv-test@champion", store_uri=uri)
+    assert version.isdigit()
+    with pytest.raises(PolicyLoadError, match="not in the MLflow registry"):
+        tracking.model_version_for_uri("models:/kv-test@nope", store_uri=uri)
 
 
 def test_missing_model_uri_names_it(tracked):
