@@ -310,6 +310,8 @@ def quality(
         except LeakError as exc:
             raise click.ClickException(f"leak check failed on {name}: {exc}") from exc
         click.echo(f"[{name}] {source}: {time.perf_counter() - t0:.0f} s", err=True)
+        # Kept as it goes: a long suite that is stopped still leaves what it measured.
+        (out_dir / "partial.json").write_text(json.dumps(_jsonable(results), indent=2))
     summary = summarize(results, policy_names)
     table = markdown(results, summary)
     click.echo(table)
