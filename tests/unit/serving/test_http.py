@@ -116,7 +116,7 @@ def test_healthz_reports_degraded_with_the_reason(tmp_path, trace_with_bad_rows)
     model = tmp_path / "model"
     model.mkdir()
     (model / "policy.json").write_text('{"policy": "lightgbm"}')
-    service = _service(tmp_path, trace, model=str(model))
+    service = _service(tmp_path, trace, model=str(model), model_fallback="lru")
     try:
         service.run(max_events=100)
         status, body = _get(service.http.url + "/healthz")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 
+import click
 import numpy as np
 import pytest
 
@@ -75,5 +76,7 @@ def test_names_and_durations():
     )
     assert parse_duration_ms("60s") == 60_000
     assert parse_duration_ms("2m") == 120_000
-    assert parse_duration_ms("45000") == 45_000
+    assert parse_duration_ms("45000ms") == 45_000
+    with pytest.raises(click.BadParameter, match="no unit"):
+        parse_duration_ms("45000")
     assert parse_duration_ms("1.5s") == 1_500
