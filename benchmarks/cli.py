@@ -30,6 +30,11 @@ BENCHES: dict[str, tuple[str, str]] = {
         "benchmarks.kafka_throughput:bench_kafka",
         "Kafka block accesses/s (produce, consume+decode; 1 and 4 partitions) and latency vs decode from memory.",
     ),
+    "quality": (
+        "benchmarks.quality:quality",
+        "Workload suite (shared trace + 7 generator profiles) at 1/5/10%: kvwarm policies "
+        "(learned ones guarded) vs exact LRU, Belady and the best libCacheSim peer.",
+    ),
     "replay": (
         "benchmarks.replay_speed:replay_bench",
         "Single-tier replay block accesses/s per policy vs an exact LRU pass.",

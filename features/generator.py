@@ -100,6 +100,34 @@ PROFILES: dict[str, dict[str, Any]] = {
     "chat": {"mix": {"chat": 0.85, "rag": 0.05, "agent": 0.0, "scan": 0.10}},
     "rag": {"mix": {"chat": 0.2, "rag": 0.65, "agent": 0.0, "scan": 0.15}},
     "agent": {"mix": {"chat": 0.2, "rag": 0.05, "agent": 0.65, "scan": 0.10}},
+    # Long shared prefixes: system prompts and few-shot templates of 20-80 blocks (10k-
+    # 40k tokens) shared by many requests, short questions after them; prompts 20k-40k
+    # tokens. Reuse is of the prefix, not of the session.
+    "sharedprefix": {
+        "mix": {"chat": 0.25, "rag": 0.6, "agent": 0.0, "scan": 0.15},
+        "num_system_prompts": 30,
+        "system_prompt_zipf": 0.9,
+        "system_prompt_tokens": (10_240, 40_960),
+        "fewshot_probability": 0.5,
+        "fewshot_tokens": (4_000, 12_000),
+        "rag_num_documents": 400,
+        "rag_document_tokens": (1_000, 6_000),
+        "chat_first_context_median_tokens": 2_000.0,
+        "session_rate_per_s": 3.0,
+    },
+    # A day of bursty, agent-heavy traffic: the rate follows the day (idle for hours at
+    # night, amplitude > 1 clips it to zero), with bursts of 6x lasting minutes.
+    "diurnal": {
+        "mix": {"chat": 0.3, "rag": 0.1, "agent": 0.5, "scan": 0.1},
+        "session_rate_per_s": 0.004,
+        "diurnal_amplitude": 1.6,
+        "diurnal_period_s": 86_400.0,
+        "burst_multiplier": 6.0,
+        "burst_mean_s": 300.0,
+        "calm_mean_s": 3_600.0,
+    },
+    # Scan-heavy: most requests read a one-off long document that never returns.
+    "scan": {"mix": {"chat": 0.12, "rag": 0.08, "agent": 0.0, "scan": 0.8}},
     # Sessions come back after exactly 45 s, with scans in between to push them out of
     # a recency cache: a predictor that learns the gap wins, LRU cannot.
     "planted": {

@@ -14,6 +14,12 @@ Primitives (when each is called):
 - ``score(block_hashes, now_ms)``: a float32 array, one finite score per input hash,
   in input order. Unknown blocks get a score (the policy's floor), never an exception.
   Does not change the policy's state and does not mutate the input.
+- ``prefetch_candidates(now_ms, limit)``: blocks (uint64, at most ``limit``, best
+  first) the policy expects back soon, beyond the recent requests the loop already
+  considers; called once per prefetch round. Empty by default.
+- ``online_status()``: a JSON-able snapshot of what the policy decides online (the
+  guard's choice and estimates), read by ``/healthz`` and the metrics from another
+  thread; empty by default.
 - ``save(directory)`` / ``load(directory)``: persist the parameters and any learned
   model (not the online state, which is rebuilt from the stream). A loaded policy fed
   the same events gives identical scores.
@@ -116,6 +122,16 @@ class Policy(abc.ABC):
     @abc.abstractmethod
     def score(self, block_hashes: np.ndarray, now_ms: int) -> np.ndarray:
         """float32 scores, one per hash in ``block_hashes`` (uint64), same order."""
+
+    def prefetch_candidates(self, now_ms: int, limit: int) -> np.ndarray:
+        """Blocks expected back soon (uint64, best first, at most ``limit``); called
+        once per prefetch round. Policies without a view of the future return none."""
+        return np.zeros(0, dtype=np.uint64)
+
+    def online_status(self) -> dict[str, Any]:
+        """What this policy decides online, for health and metrics (JSON-able; read
+        from another thread, so it only reads). Nothing by default."""
+        return {}
 
     @property
     def time_base(self) -> dict[str, Any] | None:

@@ -3,7 +3,8 @@
 Endpoints (bound to 127.0.0.1 unless configured otherwise):
 
 - ``GET /healthz``: 200 with ``{"status": "ok"|"degraded", "reason", "model",
-  "policy", "model_version"}``. Degraded (serving the LRU fallback) is still alive, so
+  "policy", "model_version"}`` plus ``"guard"`` (choice, estimates) when a learned
+  model is served behind the guard. Degraded (serving the LRU fallback) is still alive, so
   still 200: restarting would not fix a bad model, publishing a good one does.
 - ``GET /readyz``: 200 once the source is connected and the first poll returned, 503
   before and while shutting down.
@@ -36,6 +37,9 @@ kvwarm_model_info{...} / _degraded      what is scoring, and whether it is LRU
 kvwarm_model_swaps_total                hot swaps since start
 kvwarm_tier_occupancy_blocks{tier}      blocks per tier (planner's view)
 kvwarm_tier_capacity_blocks{tier}
+kvwarm_guard_choice{policy}             1 for the candidate the guard serves
+kvwarm_guard_estimated_hit_ratio{...}   ghost-cache hit ratio per candidate
+kvwarm_guard_switches_total             guard changes of candidate
 ======================================  =========================================
 """
 
@@ -150,6 +154,9 @@ class _LiveCollector(Collector):
                 cap.add_metric([name], placement.capacities[i])
             yield occ
             yield cap
+            guard = sidecar.policy.online_status().get("guard")
+            if guard:
+                yield from self._guard(guard)
         source = parts.get("source")
         if source is not None:
             yield from self._source(source)
@@ -203,6 +210,25 @@ class _LiveCollector(Collector):
             "kvwarm_lag_seconds",
             "Wall clock minus the newest handled event's timestamp.",
             value=self.metrics.lag_seconds,
+        )
+
+    @staticmethod
+    def _guard(guard: dict[str, Any]) -> Iterator[Metric]:
+        choice = GaugeMetricFamily(
+            "kvwarm_guard_choice", "1 for the candidate the guard serves.", labels=["policy"]
+        )
+        estimate = GaugeMetricFamily(
+            "kvwarm_guard_estimated_hit_ratio",
+            "Decayed ghost-cache hit ratio of each guard candidate.",
+            labels=["policy"],
+        )
+        for name, value in guard["estimated_hit_ratio"].items():
+            choice.add_metric([name], 1 if name == guard["chosen"] else 0)
+            estimate.add_metric([name], value)
+        yield choice
+        yield estimate
+        yield CounterMetricFamily(
+            "kvwarm_guard_switches", "Guard changes of candidate.", value=guard["switches"]
         )
 
     @staticmethod

@@ -39,6 +39,9 @@ from serving.sources import EventSource
 
 log = logging.getLogger(__name__)
 
+PREDICTED_CANDIDATES = 1_024
+"""Most blocks a prefetch round takes from ``Policy.prefetch_candidates``."""
+
 MovesHook = Callable[[BlocksAccessed | None, list[Move], int], None]
 """Called with (the triggering request or None for a prefetch round, moves, now_ms)."""
 
@@ -123,7 +126,9 @@ class Sidecar:
         ):
             return []
         self._last_prefetch_ms = now_ms
-        recent = list(dict.fromkeys(b for chain in self.recent for b in chain))
+        # Blocks of recent requests, then what the policy expects back soon beyond them.
+        predicted = self.policy.prefetch_candidates(now_ms, PREDICTED_CANDIDATES).tolist()
+        recent = list(dict.fromkeys([*(b for chain in self.recent for b in chain), *predicted]))
         candidates = [
             b for b, t in zip(recent, self.placement.tiers_of(recent), strict=True) if t > 0
         ]

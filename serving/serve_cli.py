@@ -46,6 +46,7 @@ from executor.protocol import Executor
 from features.block_hash import load_tokenizer
 from features.decoders import TIME_UNITS, TraceFormatError
 from features.events import Event
+from predictor.base import Policy
 from serving.decisions import (
     APPLY_HEADROOM_BLOCKS,
     CacheLayerSink,
@@ -238,6 +239,12 @@ class MeteredSidecar(Sidecar):
     observe_score: Callable[[float], None] | None = None
     """Called with the seconds each score call took (the scoring histogram)."""
 
+    wrap_policy: Callable[[Policy], Policy] | None = None
+    """Applied to every policy swapped in (the online guard around a learned model)."""
+
+    def swap_policy(self, policy: Policy) -> None:
+        super().swap_policy(self.wrap_policy(policy) if self.wrap_policy else policy)
+
     def score(self, block_hashes: np.ndarray, now_ms: int) -> np.ndarray:
         t0 = time.perf_counter()
         out = super().score(block_hashes, now_ms)
@@ -366,7 +373,7 @@ class Service:
         tier_names, capacities = self._tiers()
         self.placement = Placement(list(tier_names), list(capacities))
         self.sidecar = MeteredSidecar(
-            policy,
+            self._guarded(policy),
             Planner(settings.planner),
             self.placement,
             prefetch_interval_ms=settings.prefetch_interval_ms,
@@ -377,6 +384,7 @@ class Service:
         if settings.executor_endpoint.scheme == "sim":
             # The simulated links' prefetch budget, asked by the planner (as in replay).
             self.sidecar.prefetch_admit = self.executor.admit_prefetch
+        self.sidecar.wrap_policy = self._guarded
         self.models.attach(self.sidecar)
 
         sinks: list[DecisionSink] = []
@@ -507,6 +515,15 @@ class Service:
                 total[status] = total.get(status, 0) + n
         return total
 
+    def _guarded(self, policy: Policy) -> Policy:
+        """A learned model behind the online guard sized to the fastest tier (when
+        ``settings.guard``); baselines unchanged."""
+        if not (self.settings.guard and policy.outputs_probability):
+            return policy
+        from predictor.guard import guarded
+
+        return guarded(policy, self.placement.capacities[0])
+
     def _now_for_executor(self) -> float:
         return float(self.now_ms if self.clock is None else wall_ms())
 
@@ -529,6 +546,7 @@ class Service:
             "policy": s.policy,
             "model_version": s.version,
             "last_reload_error": s.last_error,
+            **self.sidecar.policy.online_status(),
         }
 
     def ready(self) -> bool:
@@ -634,6 +652,11 @@ class Service:
     "config_path",
     type=click.Path(dir_okay=False),
     help="TOML/YAML settings file (also KVWARM_CONFIG). Flags > KVWARM_* env > file.",
+)
+@click.option(
+    "--guard/--no-guard",
+    default=None,
+    help="Serve a learned model behind the online guard (default on; KVWARM_GUARD).",
 )
 @click.option("--http-host", help="Address of /healthz, /readyz, /metrics (default 127.0.0.1).")
 @click.option(

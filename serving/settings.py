@@ -279,6 +279,12 @@ class SidecarSettings(BaseSettings):
         description="Eviction sample, admission veto, prefetch budget, hysteresis.",
     )
     prefetch: bool = Field(True, description="Run speculative prefetch rounds.")
+    guard: bool = Field(
+        True,
+        description="Serve a learned model behind the online guard: ghost caches estimate "
+        "what the model, LRU and LFU would hit on the live stream and the best one scores "
+        "(predictor.guard). Baselines are served as they are.",
+    )
     prefetch_interval_ms: int = Field(
         defaults.PREFETCH_INTERVAL_MS,
         ge=1,

@@ -253,6 +253,13 @@ _common = [
     ),
     click.option("--no-peers", is_flag=True, help="Skip the libCacheSim policies."),
     click.option(
+        "--guard/--no-guard",
+        default=True,
+        show_default=True,
+        help="Serve learned policies behind the online guard (ghost caches of the model, "
+        "LRU and LFU; the best one serves), as kvwarm serve does.",
+    ),
+    click.option(
         "--out",
         "out_dir",
         type=click.Path(file_okay=False, path_type=Path),
@@ -284,11 +291,13 @@ def comparison_options(fn: Any) -> Any:
         think_ms: float,
         modes: str,
         no_peers: bool,
+        guard: bool,
         **kwargs: Any,
     ) -> Any:
         config = _config(policies, capacities, train_fraction, profile, load, modes, no_peers)
         config.concurrency = concurrency
         config.think_ms = think_ms
+        config.guard = guard
         experiment = kwargs.get("experiment")
         if experiment is not None and experiment != "" and not experiment.strip():
             raise click.BadParameter("blank name; use '' to skip MLflow", param_hint="--experiment")

@@ -77,6 +77,8 @@ class ComparisonConfig:
     peers: bool = True
     eviction_sample: int = 64
     seed: int = 0
+    guard: bool = True
+    """Serve learned policies behind the online guard (``predictor.guard``), as serving does."""
 
 
 @dataclass
@@ -131,6 +133,32 @@ def _fresh(
     return copy.deepcopy(warm[name])
 
 
+GUARD_WARMUP_REQUESTS = 2_000
+"""The guard's ghost caches are warmed on this many last training requests (the
+candidates on all of it); its choice is made before the replayed part starts."""
+
+
+def _guarded(
+    name: str,
+    capacity_blocks: int,
+    trained: dict[str, Policy],
+    future: FutureAccesses,
+    warm_head: dict[str, Policy],
+    train: Sequence[BlocksAccessed],
+) -> Policy:
+    """``name`` behind the online guard for a fast tier of ``capacity_blocks``: the
+    candidates observe the training part batched up to its last
+    ``GUARD_WARMUP_REQUESTS`` requests, the guard (ghosts included) the rest."""
+    from predictor.guard import GuardedPolicy, GuardParams
+
+    cut = max(0, len(train) - GUARD_WARMUP_REQUESTS)
+    head, tail = train[:cut], train[cut:]
+    candidates = {n: _fresh(n, trained, future, warm_head, head) for n in (name, "lru", "lfu")}
+    guard = GuardedPolicy(GuardParams(capacity_blocks=capacity_blocks), candidates)
+    guard.observe_many(tail)
+    return guard
+
+
 def run_comparison(
     events: Sequence[BlocksAccessed],
     config: ComparisonConfig,
@@ -181,6 +209,13 @@ def run_comparison(
         else FutureAccesses(access_arrays([]))
     )
     warm: dict[str, Policy] = {}
+    warm_head: dict[str, Policy] = {}
+
+    def fresh(name: str, capacity_blocks: int) -> Policy:
+        if config.guard and name in LEARNED:
+            return _guarded(name, capacity_blocks, trained, future, warm_head, train)
+        return _fresh(name, trained, future, warm, train)
+
     from serving.planner import PlannerParams
 
     planner = PlannerParams(eviction_sample=config.eviction_sample, seed=config.seed)
@@ -191,15 +226,14 @@ def run_comparison(
             refs = reference_hit_ratios(test, capacity)
             rows: dict[str, float] = {}
             seconds: dict[str, float] = {}
+            guard_choice: dict[str, Any] = {}
             for name in config.policies:
-                result = replay_single_tier(
-                    _fresh(name, trained, future, warm, train),
-                    test,
-                    capacity,
-                    planner_params=planner,
-                )
+                policy = fresh(name, capacity)
+                result = replay_single_tier(policy, test, capacity, planner_params=planner)
                 rows[name] = result.hit_ratio
                 seconds[name] = result.seconds
+                if "guard" in policy.online_status():
+                    guard_choice[name] = policy.online_status()["guard"]
             peers: dict[str, Any] = {}
             if config.peers:
                 peers = _peer_ratios(test, capacity)
@@ -210,6 +244,7 @@ def run_comparison(
                     "references": refs,
                     "policies": rows,
                     "policy_seconds": seconds,
+                    "guard": guard_choice,
                     "peers": peers,
                     "gap_closed": {
                         name: gap_closed(v, refs["lru_exact"], refs["belady"])
@@ -229,7 +264,7 @@ def run_comparison(
             )
             report.tiered.extend(
                 tiered_rows(
-                    lambda name: _fresh(name, trained, future, warm, train),
+                    lambda name, capacity=capacity: fresh(name, capacity),
                     config.policies,
                     test,
                     setup,
@@ -269,7 +304,7 @@ def tiered_rows(
         ),
     ]
     for name in policies:
-        results.append(replay_tiered(make(name), events, setup))
+        results.append(replay_tiered(make(name), events, setup, label=name))
     rows: list[dict[str, Any]] = []
     for r in results:
         row = r.to_dict()

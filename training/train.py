@@ -20,6 +20,7 @@ PNG plots, and the model with a signature, registered and aliased on request.
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import time
 from collections.abc import Callable, Sequence
@@ -45,6 +46,14 @@ BASELINES = ("lru", "lfu", "prefix_lru", "oracle")
 
 Echo = Callable[[str], None]
 
+GATE_CAPACITIES = (0.01, 0.05, 0.1)
+GATE_HEURISTICS = ("lru", "lfu", "prefix_lru")
+GATE_TOLERANCE = 0.005
+"""A promoted model may trail LRU by at most this hit ratio at any gate capacity."""
+MIN_TREES = 10
+"""Fewer boosted trees than this after early stopping means the training signal was
+too weak to learn from (the validation loss stopped improving almost at once)."""
+
 
 class TrainingError(ValueError):
     """Training cannot run as configured; the message says what to change."""
@@ -68,6 +77,13 @@ class TrainConfig:
     seed: int = 0
     model_params: dict[str, Any] = field(default_factory=dict)
     baselines: tuple[str, ...] = BASELINES
+    gate: bool = True
+    """Promote (point the alias at) the model only if it beats the heuristics on the
+    held-out test part (``validate_on_holdout``)."""
+    gate_capacities: tuple[float, ...] = GATE_CAPACITIES
+    """Single-tier capacities (fractions of the held-out part's distinct blocks)."""
+    gate_heuristics: tuple[str, ...] = GATE_HEURISTICS
+    """The policies a model must beat to be promoted."""
 
     def __post_init__(self) -> None:
         if self.model not in LEARNED_MODELS:
@@ -91,6 +107,11 @@ class TrainResult:
     run_id: str | None = None
     model_uri: str | None = None
     registered_version: str | None = None
+    validation: ValidationTable | None = None
+    warnings: list[str] = field(default_factory=list)
+    """Degenerate training (too few trees, constant scores), said in words."""
+    promoted: bool | None = None
+    """Whether the alias was moved to this version (None: no alias asked for)."""
 
     def table(self) -> str:
         """The side-by-side metrics, one row per policy."""
@@ -109,6 +130,117 @@ class TrainResult:
             )
             lines.append(row + ("  (log loss via isotonic on valid)" if ev.calibrated else ""))
         return "\n".join(lines)
+
+
+@dataclass
+class ValidationTable:
+    """Single-tier hit ratios of the candidate and the heuristics on the held-out slice,
+    and the promotion verdict (``validate_on_holdout``)."""
+
+    model: str
+    capacities: tuple[float, ...]
+    capacity_blocks: tuple[int, ...]
+    hit_ratios: dict[str, list[float]]
+    """policy -> hit ratio per capacity (same order as ``capacities``)."""
+    promote: bool = False
+    winner: str = ""
+    """The model when promoted, else the heuristic with the best mean hit ratio."""
+    reason: str = ""
+
+    def mean(self, name: str) -> float:
+        return float(np.mean(self.hit_ratios[name]))
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "model": self.model,
+            "capacities": list(self.capacities),
+            "capacity_blocks": list(self.capacity_blocks),
+            "hit_ratios": self.hit_ratios,
+            "promote": self.promote,
+            "winner": self.winner,
+            "reason": self.reason,
+        }
+
+    def format(self) -> str:
+        head = f"{'policy':<11}" + "".join(f"{f'{c * 100:g}%':>9}" for c in self.capacities)
+        lines = ["held-out single-tier hit ratio (validation gate)", head + f"{'mean':>9}"]
+        for name, values in self.hit_ratios.items():
+            cells = "".join(f"{v:>9.4f}" for v in values)
+            lines.append(f"{name:<11}{cells}{self.mean(name):>9.4f}")
+        return "\n".join(lines)
+
+
+def validate_on_holdout(
+    policy: LearnedPolicy,
+    warm: Sequence[BlocksAccessed],
+    holdout: Sequence[BlocksAccessed],
+    *,
+    capacities: Sequence[float] = GATE_CAPACITIES,
+    heuristics: Sequence[str] = GATE_HEURISTICS,
+    warnings: Sequence[str] = (),
+) -> ValidationTable:
+    """Replay ``holdout`` (after ``warm``, observed only) single tier through the
+    candidate and each heuristic at each capacity. The candidate is promoted when its
+    mean hit ratio beats every heuristic's, it trails LRU by at most
+    ``GATE_TOLERANCE`` at every capacity, and training did not degenerate
+    (``warnings``)."""
+    from training.replay import distinct_blocks, replay_single_tier
+
+    if not holdout:
+        raise TrainingError("the held-out part is empty; lower --train-fraction")
+    num_distinct = distinct_blocks(holdout)
+    blocks = tuple(max(1, int(f * num_distinct)) for f in capacities)
+    ratios: dict[str, list[float]] = {}
+    for name in (policy.name, *heuristics):
+        warmed = policy.fresh_copy() if name == policy.name else make_policy(name)
+        warmed.observe_many(warm)
+        ratios[name] = [
+            replay_single_tier(copy.deepcopy(warmed), holdout, capacity).hit_ratio
+            for capacity in blocks
+        ]
+    table = ValidationTable(policy.name, tuple(capacities), blocks, ratios)
+    best = max(heuristics, key=table.mean)
+    model_mean, best_mean = table.mean(policy.name), table.mean(best)
+    behind_lru = [
+        f"{c * 100:g}%"
+        for c, m, lru in zip(capacities, ratios[policy.name], ratios.get("lru", []), strict=False)
+        if m < lru - GATE_TOLERANCE
+    ]
+    if warnings:
+        table.winner, table.reason = best, "training degenerated: " + "; ".join(warnings)
+    elif model_mean <= best_mean:
+        table.winner = best
+        table.reason = (
+            f"mean held-out hit ratio {model_mean:.4f} does not beat {best}'s {best_mean:.4f}"
+        )
+    elif behind_lru:
+        table.winner = best
+        table.reason = f"trails LRU by more than {GATE_TOLERANCE} at {', '.join(behind_lru)}"
+    else:
+        table.promote, table.winner = True, policy.name
+        table.reason = (
+            f"mean held-out hit ratio {model_mean:.4f} beats {best}'s {best_mean:.4f} "
+            f"and never trails LRU by more than {GATE_TOLERANCE}"
+        )
+    return table
+
+
+def degeneracy_warnings(policy: LearnedPolicy, x_valid: np.ndarray) -> list[str]:
+    """What says a fitted model learned (next to) nothing: early stopping after a handful
+    of trees, or the same score for every validation row."""
+    out: list[str] = []
+    trees = policy.training_info.get("best_iteration")
+    if trees is not None and int(trees) < MIN_TREES:
+        out.append(
+            f"early stopping kept {int(trees)} trees (< {MIN_TREES}): the validation loss "
+            "stopped improving at once; try a longer trace, another --horizon or a longer "
+            "validation slice"
+        )
+    if x_valid.shape[0] > 0:
+        scores = policy.predict_features(x_valid[: min(x_valid.shape[0], 20_000)])
+        if float(np.ptp(scores)) < 1e-6:
+            out.append(f"the model gives every validation row the same score ({scores[0]:.4g})")
+    return out
 
 
 def sha256_of(path: str | Path) -> str:
@@ -245,6 +377,23 @@ def train_and_evaluate(
     )
     timings["train_s"] = time.perf_counter() - t
     say(f"trained {config.model} in {timings['train_s']:.1f} s")
+    warnings = degeneracy_warnings(policy, _labelled(parts["valid"], config.horizon_ms)[0])
+    for warning in warnings:
+        say(f"WARNING: {warning}")
+    validation = None
+    if config.gate:
+        t = time.perf_counter()
+        split = next((i for i, e in enumerate(events) if e.ts_ms > test_cut), len(events))
+        validation = validate_on_holdout(
+            policy,
+            events[:split],
+            events[split:],
+            capacities=config.gate_capacities,
+            heuristics=config.gate_heuristics,
+            warnings=warnings,
+        )
+        timings["validate_s"] = time.perf_counter() - t
+        say(validation.format())
 
     policies: dict[str, Any] = {}
     future = FutureAccesses.from_events(events)
@@ -271,7 +420,16 @@ def train_and_evaluate(
         if bar is not None:
             bar.close()
     timings["evaluate_s"] = time.perf_counter() - t
-    return TrainResult(config, policy, evaluations, parts, timings, trace_sha256=sha)
+    return TrainResult(
+        config,
+        policy,
+        evaluations,
+        parts,
+        timings,
+        trace_sha256=sha,
+        validation=validation,
+        warnings=warnings,
+    )
 
 
 def _progress_bar(total: int, enabled: bool) -> Any:
@@ -295,67 +453,109 @@ def run_tracked(
 ) -> TrainResult:
     """``train_and_evaluate`` inside an MLflow run; logs everything, registers on request."""
     from training import tracking
-    from training.model_plots import calibration_figure, importance_figure, pr_curve_figure
 
     if alias and not register:
         raise TrainingError("--alias needs --register NAME")
-    say = echo or (lambda _line: None)
     with tracking.tracked_run(
         experiment, run_name=f"{config.model}-h{config.horizon_ms}", uri=store_uri
     ) as run:
         result = train_and_evaluate(trace, config, echo=echo, show_progress=show_progress)
-        policy = result.policy
-        params: dict[str, Any] = {
-            "model": config.model,
-            "trace": str(trace),
-            "trace_sha256": result.trace_sha256,
-            "feature_version": FEATURE_VERSION,
-            "num_features": len(policy.feature_names),
-            **{f"config.{k}": v for k, v in asdict(config).items() if k != "model_params"},
-            **{f"model.{k}": v for k, v in policy.params.model_dump().items()},
-            **{f"features.{k}": v for k, v in asdict(policy.feature_params).items()},
-            **{f"rows.{k}": v.num_rows for k, v in result.parts.items()},
-        }
-        run.log_params(params)
-        metrics: dict[str, float] = {}
-        for name, ev in result.evaluations.items():
-            metrics.update({f"{name}.{k}": v for k, v in ev.metrics.items()})
-            metrics[f"{name}.score_seconds"] = ev.score_seconds
-        metrics.update(result.evaluations[config.model].metrics)
-        metrics.update(result.timings_s)
-        for key in ("best_iteration", "best_epoch"):
-            if key in policy.training_info:
-                metrics[key] = float(policy.training_info[key])
-        curve = policy.training_info.get("valid_curve") or []
-        for step, value in enumerate(curve):
-            run.log_metrics({"valid_loss_curve": float(value)}, step=step)
-        x_test = result.parts["test"].X
-        run.log_figure(pr_curve_figure(result.evaluations), "plots/pr_curve.png")
-        run.log_figure(
-            calibration_figure(result.evaluations[config.model]), "plots/calibration.png"
-        )
-        importance = policy.training_info.get("feature_importance_gain") or permutation_importance(
-            policy, result.parts["test"], config.horizon_ms, seed=config.seed
-        )
-        run.log_figure(importance_figure(importance), "plots/feature_importance.png")
-        run.log_dict({"importance": importance}, "feature_importance.json")
-        sample = x_test[
-            np.random.default_rng(config.seed).choice(
-                x_test.shape[0], min(256, x_test.shape[0]), replace=False
-            )
-        ]
-        logged = run.log_policy(
-            policy, sample, list(policy.feature_names), registered_name=register, alias=alias
-        )
-        metrics["model_size_bytes"] = float(policy.model_size_bytes())
-        run.log_metrics(metrics)
-        result.run_id = run.run_id
-        result.model_uri = logged.registry_uri or logged.model_uri
-        result.registered_version = logged.version
-        from training.tracking import masked_uri
-
-        say(f"MLflow run {run.run_id} at {masked_uri(run.tracking_uri)}; model {result.model_uri}")
+        log_training_run(run, result, trace=str(trace), register=register, alias=alias, echo=echo)
     return result
+
+
+def log_training_run(
+    run: Any,
+    result: TrainResult,
+    *,
+    trace: str,
+    register: str | None = None,
+    alias: str | None = None,
+    echo: Echo | None = None,
+) -> None:
+    """Log a trained result into the active MLflow ``run`` (a ``tracking.TrackedRun``):
+    params, metrics, plots, the validation table and the model; register it under
+    ``register`` and, when the validation gate lets it (or is off), point ``alias`` at
+    the new version. A refused model is registered without the alias, which stays where
+    it was; the reason and the numbers are said and logged."""
+    from training.model_plots import calibration_figure, importance_figure, pr_curve_figure
+
+    say = echo or (lambda _line: None)
+    config, policy = result.config, result.policy
+    params: dict[str, Any] = {
+        "model": config.model,
+        "trace": trace,
+        "trace_sha256": result.trace_sha256,
+        "feature_version": FEATURE_VERSION,
+        "num_features": len(policy.feature_names),
+        **{f"config.{k}": v for k, v in asdict(config).items() if k != "model_params"},
+        **{f"model.{k}": v for k, v in policy.params.model_dump().items()},
+        **{f"features.{k}": v for k, v in asdict(policy.feature_params).items()},
+        **{f"rows.{k}": v.num_rows for k, v in result.parts.items()},
+        "training_warnings": " | ".join(result.warnings) or "none",
+    }
+    metrics: dict[str, float] = {}
+    validation = result.validation
+    if validation is not None:
+        params["validation.promote"] = validation.promote
+        params["validation.winner"] = validation.winner
+        params["validation.reason"] = validation.reason
+        for name, values in validation.hit_ratios.items():
+            for fraction, value in zip(validation.capacities, values, strict=True):
+                metrics[f"validation.{name}.hit_ratio.{fraction * 100:g}pct"] = value
+        run.log_dict(validation.to_dict(), "validation.json")
+    run.log_params(params)
+    for name, ev in result.evaluations.items():
+        metrics.update({f"{name}.{k}": v for k, v in ev.metrics.items()})
+        metrics[f"{name}.score_seconds"] = ev.score_seconds
+    metrics.update(result.evaluations[config.model].metrics)
+    metrics.update(result.timings_s)
+    for key in ("best_iteration", "best_epoch"):
+        if key in policy.training_info:
+            metrics[key] = float(policy.training_info[key])
+    curve = policy.training_info.get("valid_curve") or []
+    for step, value in enumerate(curve):
+        run.log_metrics({"valid_loss_curve": float(value)}, step=step)
+    x_test = result.parts["test"].X
+    run.log_figure(pr_curve_figure(result.evaluations), "plots/pr_curve.png")
+    run.log_figure(calibration_figure(result.evaluations[config.model]), "plots/calibration.png")
+    importance = policy.training_info.get("feature_importance_gain") or permutation_importance(
+        policy, result.parts["test"], config.horizon_ms, seed=config.seed
+    )
+    run.log_figure(importance_figure(importance), "plots/feature_importance.png")
+    run.log_dict({"importance": importance}, "feature_importance.json")
+    sample = x_test[
+        np.random.default_rng(config.seed).choice(
+            x_test.shape[0], min(256, x_test.shape[0]), replace=False
+        )
+    ]
+    promote = validation.promote if (config.gate and validation is not None) else True
+    logged = run.log_policy(
+        policy,
+        sample,
+        list(policy.feature_names),
+        registered_name=register,
+        alias=alias if promote else None,
+    )
+    metrics["model_size_bytes"] = float(policy.model_size_bytes())
+    run.log_metrics(metrics)
+    result.run_id = run.run_id
+    result.model_uri = logged.registry_uri or logged.model_uri
+    result.registered_version = logged.version
+    if alias:
+        result.promoted = promote
+        if promote:
+            say(f"promoted: {register}@{alias} -> version {logged.version}")
+        else:
+            assert validation is not None
+            say(
+                f"NOT promoted: {validation.reason}. {register}@{alias} stays where it was; "
+                f"on this trace serve {validation.winner} (version {logged.version} is "
+                "registered without the alias)"
+            )
+    from training.tracking import masked_uri
+
+    say(f"MLflow run {run.run_id} at {masked_uri(run.tracking_uri)}; model {result.model_uri}")
 
 
 def permutation_importance(

@@ -99,6 +99,13 @@ def _parse_params(pairs: tuple[str, ...]) -> dict[str, Any]:
     default=None,
     help="MLflow tracking URI (default: MLFLOW_TRACKING_URI or sqlite:///mlflow.db).",
 )
+@click.option(
+    "--gate/--no-gate",
+    default=True,
+    show_default=True,
+    help="Move --alias only if the model beats LRU, LFU and prefix LRU on the held-out "
+    "part (single-tier hit ratio at 1/5/10%); a refused model is registered without it.",
+)
 @click.option("--no-progress", is_flag=True, help="No progress bars.")
 def train(
     trace: Path,
@@ -112,6 +119,7 @@ def train(
     params: tuple[str, ...],
     save_dir: Path | None,
     tracking_uri: str | None,
+    gate: bool,
     no_progress: bool,
 ) -> None:
     """Train a learned policy on a trace and log the run to MLflow."""
@@ -132,6 +140,7 @@ def train(
             train_fraction=train_fraction,
             seed=seed,
             model_params=_parse_params(params),
+            gate=gate,
         )
         result = run_tracked(
             trace,

@@ -151,8 +151,10 @@ def test_vllm_events_and_request_events_through_kafka_give_engine_hashed_hints(
             executor.send_raw(b'{"not": "an ack"}')
         # The malformed ack was sent last; wait for it too (the reader counts as it goes).
         wait_for(
-            lambda: service.acks().get("accepted", 0) == len(got)
-            and service.acks().get("malformed") == 1,
+            lambda: (
+                service.acks().get("accepted", 0) == len(got)
+                and service.acks().get("malformed") == 1
+            ),
             timeout_s=60,
         )
         assert service.http is not None

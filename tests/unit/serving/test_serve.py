@@ -249,6 +249,48 @@ def test_engine_residency_over_zmq_is_mirrored_by_the_sidecar():
     assert stats.requests == 0  # residency only: nothing to decide
 
 
+def test_a_learned_model_is_served_behind_the_guard_visible_in_health_and_metrics(
+    small_trace, tmp_path
+):
+    from predictor.guard import GuardedPolicy
+    from training.train import fit_policy_on_events
+
+    events = list(read_trace(small_trace))[:1500]
+    model_dir = fit_policy_on_events("lightgbm", events, quick=True).save(tmp_path / "model")
+    common = dict(
+        source=f"file:{small_trace}",
+        model=str(model_dir),
+        clock="event",
+        http_enabled=False,
+        model_poll_interval_s=0,
+        tier_capacities_blocks=(500, 4_000, 32_000),
+    )
+    service = Service(load_settings(None, **common))
+    try:
+        service.run(max_events=1_200)
+        guard = service.sidecar.policy
+        assert isinstance(guard, GuardedPolicy)
+        assert guard.params.capacity_blocks == 500
+        health = service.health()["guard"]
+        assert health["chosen"] in ("lightgbm", "lru", "lfu")
+        assert set(health["estimated_hit_ratio"]) == {"lightgbm", "lru", "lfu"}
+        assert health["sampled_accesses"] > 0
+        text = service.metrics.text().decode()
+        assert f'kvwarm_guard_choice{{policy="{health["chosen"]}"}} 1.0' in text
+        assert "kvwarm_guard_estimated_hit_ratio" in text
+        # A hot-swapped model goes behind the guard too.
+        service.sidecar.swap_policy(fit_policy_on_events("lightgbm", events, quick=True))
+        assert isinstance(service.sidecar.policy, GuardedPolicy)
+    finally:
+        service.close()
+    unguarded = Service(load_settings(None, guard=False, **common))
+    try:
+        assert unguarded.sidecar.policy.name == "lightgbm"
+        assert "guard" not in unguarded.health()
+    finally:
+        unguarded.close()
+
+
 def test_readyz_waits_for_a_zmq_engine_to_connect():
     import socket
     import threading

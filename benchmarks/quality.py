@@ -1,0 +1,353 @@
+"""``kvwarm bench quality``: the workload suite no single trace can game.
+
+Replays workloads of different shape through the replay comparison
+(``training.report.run_comparison``: the sidecar loop and planner, learned policies
+trained on the first part of each workload by time and served behind the online guard)
+at 1/5/10% of the replayed part's distinct blocks, single tier:
+
+- ``shared``: the shared Mooncake conversation trace (its first ``--shared-requests``
+  requests), when present;
+- generator profiles (``features.generator``): ``chat``, ``rag``, ``agent``, ``mixed``,
+  ``sharedprefix`` (system prompts and few-shot templates of 20-80 blocks shared by
+  many requests), ``diurnal`` (a day of bursty agent-heavy traffic with idle hours),
+  ``scan`` (most blocks never reused).
+
+Per workload and capacity: exact LRU, Belady, the best libCacheSim peer, every kvwarm
+policy and the share of the LRU-to-Belady gap each closes. The summary per learned
+policy: the worst hit-ratio difference to exact LRU over every workload and capacity
+(the safety goal: >= -0.005), the mean gap closed, and the workloads on which it beats
+the best peer at every capacity. The leak check (no online policy above Belady with
+bypass) runs on every row; a violation fails the command.
+
+Writes ``results.json``, ``summary.md`` (the README table) and ``quality.png``.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import click
+import numpy as np
+
+from features.events import BlocksAccessed
+
+GENERATED = ("chat", "rag", "agent", "mixed", "sharedprefix", "diurnal", "scan")
+WORKLOADS = ("shared", *GENERATED)
+KVWARM_POLICIES = ("lru", "lfu", "prefix_lru", "lightgbm")
+LEARNED = ("lightgbm", "lstm")
+SAFETY_TOLERANCE = 0.005
+LEAK_TOLERANCE = 1e-12
+
+
+class LeakError(AssertionError):
+    """An online policy beat Belady with bypass: it must have read the future."""
+
+
+def workload_events(name: str, num_requests: int, seed: int) -> tuple[list[BlocksAccessed], str]:
+    """The events of one suite workload and a line saying where they came from; the
+    shared trace gives [] when it is absent."""
+    from features.decoders import decode_mooncake, read_trace
+    from features.generator import generate, params_for
+
+    if name == "shared":
+        from benchmarks.traces import shared_trace_path
+
+        path = shared_trace_path()
+        if path is None:
+            return [], "shared trace not found"
+        events: list[BlocksAccessed] = []
+        for event in read_trace(path):
+            if isinstance(event, BlocksAccessed):
+                events.append(event)
+                if len(events) >= num_requests:
+                    break
+        return events, f"{path.name}, first {len(events):,} requests"
+    rows = generate(params_for(name, num_requests=num_requests, seed=seed))
+    return [decode_mooncake(row, str(i)) for i, row in enumerate(rows)], (
+        f"generator profile {name!r}, {num_requests:,} requests, seed {seed}"
+    )
+
+
+def run_workload(
+    events: Sequence[BlocksAccessed],
+    *,
+    policies: Sequence[str],
+    capacities: Sequence[float],
+    peers: bool,
+    guard: bool,
+    quick: bool,
+) -> list[dict[str, Any]]:
+    """Single-tier rows of the replay comparison for one workload (leak-checked)."""
+    from training.replay_cli import make_trainer
+    from training.report import ComparisonConfig, run_comparison
+
+    config = ComparisonConfig(
+        policies=tuple(policies),
+        capacities=tuple(capacities),
+        modes=("single",),
+        peers=peers,
+        guard=guard,
+    )
+    report = run_comparison(events, config, trainer=make_trainer(quick))
+    leak_check(report.single)
+    return report.single
+
+
+def leak_check(rows: Sequence[dict[str, Any]]) -> None:
+    """Raise ``LeakError`` when a policy's hit ratio exceeds Belady with bypass (the
+    offline optimum of any online policy) in any single-tier row."""
+    for row in rows:
+        bound = row["references"]["belady_bypass"] + LEAK_TOLERANCE
+        leaks = {n: v for n, v in row["policies"].items() if v > bound}
+        if leaks:
+            raise LeakError(
+                f"at {row['capacity']:g}: {leaks} above Belady with bypass "
+                f"{row['references']['belady_bypass']:.4f}: a policy reads the future"
+            )
+
+
+def best_peer(row: dict[str, Any]) -> tuple[str, float] | None:
+    ratios = row.get("peers", {}).get("hit_ratios", {})
+    if not ratios:
+        return None
+    name = max(ratios, key=lambda n: ratios[n])
+    return name, float(ratios[name])
+
+
+def summarize(results: dict[str, list[dict[str, Any]]], policies: Sequence[str]) -> dict[str, Any]:
+    """Per kvwarm policy: worst difference to exact LRU, mean gap closed, workloads
+    where it beats the best peer at every capacity."""
+    out: dict[str, Any] = {}
+    for name in policies:
+        worst: tuple[float, str] = (math.inf, "")
+        gaps: list[float] = []
+        wins: list[str] = []
+        for workload, rows in results.items():
+            beats_all = bool(rows)
+            for row in rows:
+                value = row["policies"][name]
+                diff = value - row["references"]["lru_exact"]
+                if diff < worst[0]:
+                    worst = (diff, f"{workload} @ {row['capacity'] * 100:g}%")
+                gap = row["gap_closed"].get(name)
+                if gap is not None and np.isfinite(gap):
+                    gaps.append(float(gap))
+                peer = best_peer(row)
+                if peer is None or value <= peer[1]:
+                    beats_all = False
+            if beats_all:
+                wins.append(workload)
+        out[name] = {
+            "worst_diff_to_lru": worst[0],
+            "worst_at": worst[1],
+            "safe": worst[0] >= -SAFETY_TOLERANCE,
+            "mean_gap_closed": float(np.mean(gaps)) if gaps else float("nan"),
+            "beats_best_peer_on": wins,
+            "num_workloads": len(results),
+        }
+    return out
+
+
+def markdown(results: dict[str, list[dict[str, Any]]], summary: dict[str, Any]) -> str:
+    """The per-workload table and the summary, as Markdown (the README section)."""
+    policies = list(summary)
+    head = "| workload | cap | LRU | Belady | best peer | " + " | ".join(policies) + " |"
+    lines = [head, "|" + "---|" * (5 + len(policies))]
+    for workload, rows in results.items():
+        for row in rows:
+            refs = row["references"]
+            peer = best_peer(row)
+            peer_text = f"{peer[0]} {peer[1]:.3f}" if peer else "-"
+            cells = []
+            for name in policies:
+                gap = row["gap_closed"].get(name)
+                gap_text = f" ({gap * 100:+.0f}%)" if gap is not None and np.isfinite(gap) else ""
+                cells.append(f"{row['policies'][name]:.3f}{gap_text}")
+            lines.append(
+                f"| {workload} | {row['capacity'] * 100:g}% | {refs['lru_exact']:.3f} | "
+                f"{refs['belady']:.3f} | {peer_text} | " + " | ".join(cells) + " |"
+            )
+    lines += [
+        "",
+        "| policy | worst vs LRU exact (where) | mean gap closed | beats best peer at every capacity |",
+        "|---|---|---|---|",
+    ]
+    for name, s in summary.items():
+        lines.append(
+            f"| {name} | {s['worst_diff_to_lru']:+.4f} ({s['worst_at']}) | "
+            f"{s['mean_gap_closed'] * 100:.0f}% | {len(s['beats_best_peer_on'])} of "
+            f"{s['num_workloads']} ({', '.join(s['beats_best_peer_on']) or '-'}) |"
+        )
+    return "\n".join(lines)
+
+
+def plot(results: dict[str, list[dict[str, Any]]], policies: Sequence[str], path: Path) -> Path:
+    """One PNG: hit ratio vs capacity per workload (kvwarm, LRU, Belady, best peer)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = [w for w, rows in results.items() if rows]
+    cols = 4
+    nrows = max(1, math.ceil(len(names) / cols))
+    fig, axes = plt.subplots(nrows, cols, figsize=(4 * cols, 3.2 * nrows), squeeze=False)
+    for ax, workload in zip(axes.flat, names, strict=False):
+        rows = results[workload]
+        caps = [r["capacity"] * 100 for r in rows]
+        ax.plot(caps, [r["references"]["lru_exact"] for r in rows], "k--", label="LRU exact")
+        ax.plot(caps, [r["references"]["belady"] for r in rows], "k:", label="Belady")
+        peers = [best_peer(r) for r in rows]
+        if all(p is not None for p in peers):
+            ax.plot(caps, [p[1] for p in peers if p], "--", color="grey", label="best peer")
+        for name in policies:
+            ax.plot(caps, [r["policies"][name] for r in rows], marker="o", label=name)
+        ax.set_xscale("log")
+        ax.set_xticks(caps, [f"{c:g}%" for c in caps])
+        ax.minorticks_off()
+        ax.set_title(workload)
+        ax.grid(True, alpha=0.3)
+    for ax in list(axes.flat)[len(names) :]:
+        ax.axis("off")
+    axes.flat[0].legend(fontsize=7)
+    fig.supylabel("block hit ratio")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+@click.command("quality")
+@click.option(
+    "--workloads",
+    default=",".join(WORKLOADS),
+    show_default=True,
+    help=f"Comma-separated subset of {', '.join(WORKLOADS)}.",
+)
+@click.option(
+    "--requests",
+    "num_requests",
+    type=click.IntRange(200, 200_000),
+    default=2_500,
+    show_default=True,
+    help="Requests per generated workload.",
+)
+@click.option(
+    "--shared-requests",
+    type=click.IntRange(200, 200_000),
+    default=6_000,
+    show_default=True,
+    help="Requests taken from the start of the shared trace.",
+)
+@click.option("--capacities", default="0.01,0.05,0.1", show_default=True)
+@click.option(
+    "--policies", default=",".join(KVWARM_POLICIES), show_default=True, help="kvwarm policies."
+)
+@click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--no-peers", is_flag=True, help="Skip the libCacheSim policies.")
+@click.option(
+    "--guard/--no-guard",
+    default=True,
+    show_default=True,
+    help="Learned policies behind the online guard (as served).",
+)
+@click.option("--full-fit", is_flag=True, help="Train learned policies fully (slow), not quick.")
+@click.option(
+    "--out",
+    "out_dir",
+    type=click.Path(file_okay=False, path_type=Path),
+    default=Path("runs/quality"),
+    show_default=True,
+)
+def quality(
+    workloads: str,
+    num_requests: int,
+    shared_requests: int,
+    capacities: str,
+    policies: str,
+    seed: int,
+    no_peers: bool,
+    guard: bool,
+    full_fit: bool,
+    out_dir: Path,
+) -> None:
+    """Replay the workload suite; print per-workload hit ratios and the summary."""
+    from features.stats_cli import parse_fractions
+
+    names = [w.strip() for w in workloads.split(",") if w.strip()]
+    unknown = [w for w in names if w not in WORKLOADS]
+    if unknown:
+        raise click.BadParameter(f"unknown workloads {unknown}; valid: {', '.join(WORKLOADS)}")
+    policy_names = [p.strip() for p in policies.split(",") if p.strip()]
+    fractions = parse_fractions(capacities)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    started = time.perf_counter()
+    results: dict[str, list[dict[str, Any]]] = {}
+    sources: dict[str, str] = {}
+    for name in names:
+        t0 = time.perf_counter()
+        events, source = workload_events(
+            name, shared_requests if name == "shared" else num_requests, seed
+        )
+        sources[name] = source
+        if not events:
+            click.echo(f"[{name}] skipped: {source}", err=True)
+            continue
+        try:
+            results[name] = run_workload(
+                events,
+                policies=policy_names,
+                capacities=fractions,
+                peers=not no_peers,
+                guard=guard,
+                quick=not full_fit,
+            )
+        except LeakError as exc:
+            raise click.ClickException(f"leak check failed on {name}: {exc}") from exc
+        click.echo(f"[{name}] {source}: {time.perf_counter() - t0:.0f} s", err=True)
+        # Kept as it goes: a long suite that is stopped still leaves what it measured.
+        (out_dir / "partial.json").write_text(json.dumps(_jsonable(results), indent=2))
+    summary = summarize(results, policy_names)
+    table = markdown(results, summary)
+    click.echo(table)
+    seconds = time.perf_counter() - started
+    click.echo(f"\nleak check (no policy above Belady with bypass): ok on {len(results)} workloads")
+    click.echo(f"took {seconds:.0f} s")
+    data = {
+        "config": {
+            "workloads": names,
+            "requests": num_requests,
+            "shared_requests": shared_requests,
+            "capacities": list(fractions),
+            "policies": policy_names,
+            "seed": seed,
+            "guard": guard,
+            "peers": not no_peers,
+            "quick_fit": not full_fit,
+        },
+        "sources": sources,
+        "results": results,
+        "summary": summary,
+        "seconds": seconds,
+    }
+    (out_dir / "results.json").write_text(json.dumps(_jsonable(data), indent=2))
+    (out_dir / "summary.md").write_text(table + "\n")
+    click.echo(f"plot: {plot(results, policy_names, out_dir / 'quality.png')}")
+    click.echo(f"results: {out_dir / 'results.json'}")
+
+
+def _jsonable(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {str(k): _jsonable(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_jsonable(v) for v in value]
+    if isinstance(value, (float, np.floating)):
+        return float(value) if np.isfinite(value) else None
+    if isinstance(value, np.integer):
+        return int(value)
+    return value

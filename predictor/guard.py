@@ -1,0 +1,276 @@
+"""The online guard: serve whichever candidate policy the live stream says is best.
+
+A learned model that wins on one workload can lose to LRU on another, and nobody knows
+in advance which case they are in. ``GuardedPolicy`` wraps the model together with
+simple heuristics (LRU, LFU) and keeps, in bounded memory, an estimate of the hit
+ratio each candidate would reach on the live stream; ``score`` delegates to the
+candidate with the best estimate, switching only when another one is clearly better
+for a while (hysteresis). Adaptive caches (ARC, LeCaR, Cacheus) survive every workload
+for the same reason: they watch ghost hits and shift.
+
+How the estimates are made (spatial sampling, as SHARDS and Cacheus do): a block is in
+the sample when a hash of its id falls below ``rate`` (the same blocks for every
+candidate, chosen by id, so a sampled block is sampled every time it recurs). Each
+candidate has a ghost cache of ``rate x capacity_blocks`` entries that sees only the
+sampled accesses; it evicts as the planner does (``eviction_sample`` residents and the
+blocks just stored are scored together by the candidate, the lowest go; a just-stored
+block that loses is not kept: admission). The candidates themselves observe every
+event, so their scores are the real ones. Hits and accesses are exponentially
+decayed (half-life ``half_life_accesses`` sampled accesses) so the estimate follows
+the workload as it changes.
+
+Memory: at most ``ghost_blocks`` entries per candidate (``rate`` is chosen from the
+cache's capacity to keep it so), whatever the stream.
+
+Primitives:
+
+- ``GuardedPolicy(params, candidates={"lightgbm": model, "lru": lru, "lfu": lfu})``:
+  ``observe`` feeds every candidate, then runs the ghost step for the event;
+  ``score`` is the chosen candidate's. ``params.capacity_blocks`` is the size of the
+  cache the served policy manages (the fastest tier).
+- ``chosen``: the name of the candidate serving now; ``estimates()``: the decayed
+  hit ratio per candidate; ``online_status()``: both plus counters (``/healthz`` and
+  the Prometheus metrics read it).
+- ``guard_candidates(model)``: the default candidate set around a learned model.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+from pydantic import Field
+
+from features.events import BlocksAccessed, Event
+from predictor.base import Policy, PolicyParams, as_hash_array
+
+_MASK64 = (1 << 64) - 1
+_GOLDEN64 = 0x9E3779B97F4A7C15
+_SAMPLE_BITS = 24
+
+
+class GuardParams(PolicyParams):
+    """How the guard samples, estimates and switches."""
+
+    capacity_blocks: int = Field(
+        ge=1, description="Blocks the served cache (the fastest tier) holds."
+    )
+    ghost_blocks: int = Field(
+        1024,
+        ge=16,
+        le=1_000_000,
+        description="Most entries of one candidate's ghost cache; the sampling rate is "
+        "min(1, ghost_blocks / capacity_blocks).",
+    )
+    eviction_sample: int = Field(
+        64, ge=1, le=4096, description="Ghost residents scored per eviction (as the planner)."
+    )
+    half_life_accesses: int = Field(
+        4_000,
+        ge=16,
+        description="Sampled block accesses after which old hits weigh half: how fast the "
+        "estimates follow a changing workload.",
+    )
+    min_sampled_accesses: int = Field(
+        500,
+        ge=0,
+        description="Sampled accesses seen before the first switch (no switching on noise).",
+    )
+    switch_margin: float = Field(
+        0.005,
+        ge=0.0,
+        le=1.0,
+        description="Hysteresis: another candidate must estimate at least this much more "
+        "hit ratio than the serving one to take over (absolute) ...",
+    )
+    switch_margin_relative: float = Field(
+        0.05,
+        ge=0.0,
+        le=10.0,
+        description="... and at least this share of the serving one's estimate. A switch "
+        "costs hits while the cache refills to the newcomer's taste.",
+    )
+    min_requests_between_switches: int = Field(
+        500, ge=0, description="Hysteresis: requests served by a candidate before it can lose."
+    )
+    initial: str = Field(
+        "lru",
+        description="Candidate served until the estimates say otherwise (the safe one).",
+    )
+    seed: int = Field(0, ge=0, description="Seed of the ghost eviction samplers.")
+
+
+class _Ghost:
+    """One candidate's sampled cache: membership in a dict + list (O(1) random pick)."""
+
+    def __init__(self, capacity_blocks: int, seed: int) -> None:
+        self.capacity_blocks = capacity_blocks
+        self.slot: dict[int, int] = {}
+        self.members: list[int] = []
+        self.rng = np.random.Generator(np.random.PCG64(seed))
+
+    def _remove(self, block: int) -> None:
+        i = self.slot.pop(block)
+        last = self.members.pop()
+        if last != block:
+            self.members[i] = last
+            self.slot[last] = i
+
+    def access(self, blocks: list[int], policy: Policy, now_ms: int, eviction_sample: int) -> int:
+        """Serve one request's sampled ``blocks`` (distinct); returns the hits."""
+        hits = 0
+        stored: list[int] = []
+        for block in blocks:
+            if block in self.slot:
+                hits += 1
+            else:
+                self.slot[block] = len(self.members)
+                self.members.append(block)
+                stored.append(block)
+        over = len(self.members) - self.capacity_blocks
+        if over <= 0:
+            return hits
+        pinned = set(blocks)
+        num = len(self.members)
+        picks = self.rng.integers(0, num, size=min(num, eviction_sample + len(blocks) + over))
+        sample = list(dict.fromkeys(self.members[i] for i in picks.tolist()))
+        candidates = [b for b in sample if b not in pinned] + stored
+        if len(candidates) < over:  # more blocks in one request than room
+            candidates += [b for b in self.members if b in pinned and b not in stored]
+        scores = policy.score(np.asarray(candidates, dtype=np.uint64), now_ms)
+        for i in np.argsort(scores, kind="stable")[:over].tolist():
+            if candidates[i] in self.slot:
+                self._remove(candidates[i])
+        return hits
+
+
+class GuardedPolicy(Policy):
+    """Scores with the candidate whose ghost cache hits most; see the module docstring."""
+
+    name = "guarded"
+    Params = GuardParams
+    params: GuardParams
+
+    def __init__(
+        self, params: PolicyParams | None = None, candidates: Mapping[str, Policy] | None = None
+    ) -> None:
+        if params is None:
+            raise TypeError("GuardedPolicy needs GuardParams(capacity_blocks=...)")
+        super().__init__(params)
+        if not candidates:
+            raise ValueError("GuardedPolicy needs at least one candidate policy")
+        for name, policy in candidates.items():
+            if policy.needs_future:
+                raise ValueError(f"candidate {name!r} reads the future; a guard cannot serve it")
+        if self.params.initial not in candidates:
+            raise ValueError(
+                f"initial candidate {self.params.initial!r} is not one of {', '.join(candidates)}"
+            )
+        self.candidates: dict[str, Policy] = dict(candidates)
+        p = self.params
+        ghost_capacity = min(p.capacity_blocks, p.ghost_blocks)
+        self.rate = ghost_capacity / p.capacity_blocks
+        self._threshold = int(self.rate * (1 << _SAMPLE_BITS))
+        self.ghosts = {
+            name: _Ghost(ghost_capacity, p.seed + i) for i, name in enumerate(self.candidates)
+        }
+        self.hits = dict.fromkeys(self.candidates, 0.0)
+        self.accesses = 0.0
+        self.num_sampled_accesses = 0
+        self.num_requests = 0
+        self.num_switches = 0
+        self.chosen = p.initial
+        self._chosen_since = 0
+        self._decay_per_access = 0.5 ** (1.0 / p.half_life_accesses)
+
+    @property
+    def serving(self) -> Policy:
+        """The candidate whose scores are served now."""
+        return self.candidates[self.chosen]
+
+    def _sampled(self, blocks: tuple[int, ...]) -> list[int]:
+        if self._threshold >= 1 << _SAMPLE_BITS:
+            return list(dict.fromkeys(blocks))
+        shift = 64 - _SAMPLE_BITS
+        limit = self._threshold
+        return list(
+            dict.fromkeys(b for b in blocks if ((b * _GOLDEN64) & _MASK64) >> shift < limit)
+        )
+
+    def observe(self, event: Event) -> None:
+        for policy in self.candidates.values():
+            policy.observe(event)
+        if not isinstance(event, BlocksAccessed):
+            return
+        self.num_requests += 1
+        blocks = self._sampled(event.block_hashes)
+        if not blocks:
+            return
+        n = len(blocks)
+        decay = self._decay_per_access**n
+        p = self.params
+        for name, ghost in self.ghosts.items():
+            h = ghost.access(blocks, self.candidates[name], event.ts_ms, p.eviction_sample)
+            self.hits[name] = self.hits[name] * decay + h
+        self.accesses = self.accesses * decay + n
+        self.num_sampled_accesses += n
+        self._maybe_switch()
+
+    def _maybe_switch(self) -> None:
+        p = self.params
+        if self.num_sampled_accesses < p.min_sampled_accesses:
+            return
+        if self.num_requests - self._chosen_since < p.min_requests_between_switches:
+            return
+        est = self.estimates()
+        best = max(est, key=lambda name: est[name])
+        current = est[self.chosen]
+        margin = max(p.switch_margin, p.switch_margin_relative * current)
+        if best != self.chosen and est[best] > current + margin:
+            self.chosen = best
+            self._chosen_since = self.num_requests
+            self.num_switches += 1
+
+    def estimates(self) -> dict[str, float]:
+        """Decayed ghost hit ratio per candidate (0 before any sampled access)."""
+        if self.accesses <= 0:
+            return dict.fromkeys(self.candidates, 0.0)
+        return {name: h / self.accesses for name, h in self.hits.items()}
+
+    def score(self, block_hashes: np.ndarray, now_ms: int) -> np.ndarray:
+        return self.serving.score(as_hash_array(block_hashes), now_ms)
+
+    def prefetch_candidates(self, now_ms: int, limit: int) -> np.ndarray:
+        return self.serving.prefetch_candidates(now_ms, limit)
+
+    def online_status(self) -> dict[str, Any]:
+        return {
+            "guard": {
+                "chosen": self.chosen,
+                "estimated_hit_ratio": self.estimates(),
+                "switches": self.num_switches,
+                "sampled_accesses": self.num_sampled_accesses,
+                "sampling_rate": self.rate,
+                "capacity_blocks": self.params.capacity_blocks,
+            }
+        }
+
+    def save(self, directory: Any) -> Any:
+        raise NotImplementedError(
+            "a guard is assembled at serve time around a saved model; save the model itself"
+        )
+
+
+def guard_candidates(model: Policy) -> dict[str, Policy]:
+    """The default candidates around ``model``: the model, LRU and LFU (fresh)."""
+    from predictor.baselines import LFUPolicy, LRUPolicy
+
+    return {model.name: model, "lru": LRUPolicy(), "lfu": LFUPolicy()}
+
+
+def guarded(model: Policy, capacity_blocks: int, **params: Any) -> GuardedPolicy:
+    """``model`` wrapped with the default candidates for a cache of ``capacity_blocks``."""
+    return GuardedPolicy(
+        GuardParams(capacity_blocks=capacity_blocks, **params), guard_candidates(model)
+    )

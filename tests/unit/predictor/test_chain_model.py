@@ -1,0 +1,62 @@
+"""The chain return-time model on a generated trace whose sessions return after a known
+gap (the ``planted`` profile: every chat turn comes back exactly 45 s later, scans in
+between). Ranking live chains by P(continues within 10 s) must beat ranking them by
+recency (time since their last turn) by a wide margin: recency puts the chains about
+to return (idle ~35-45 s) below every chain used since."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from sklearn.metrics import roc_auc_score
+
+from predictor.chain_model import ChainPolicy, ChainTracker, chain_dataset
+from training.replay import split_events
+
+from .conftest import generated_events
+
+HORIZON_MS = 10_000
+MARGIN = 0.3
+"""ROC-AUC the chain model must gain over recency on held-out chains."""
+
+
+@pytest.fixture(scope="module")
+def fitted():
+    train, test = split_events(generated_events("planted", 1_500, seed=1), 0.6)
+    policy = ChainPolicy(ChainPolicy.Params(horizon_ms=HORIZON_MS)).fit(train)
+    return policy, train, test
+
+
+def test_chain_model_ranks_returning_chains_far_better_than_recency(fitted):
+    policy, _, test = fitted
+    x, returned, since_ms = chain_dataset(test, HORIZON_MS)
+    assert returned.sum() > 50 and (~returned).sum() > 50
+    model_auc = roc_auc_score(returned, policy.booster.predict(x))
+    recency_auc = roc_auc_score(returned, -since_ms)
+    assert model_auc >= recency_auc + MARGIN, (model_auc, recency_auc)
+
+
+def test_tracker_follows_turns_through_the_partial_last_block():
+    tracker = ChainTracker()
+    # Turn 2 re-reads turn 1's full blocks (1, 2); turn 1's partial last block (3)
+    # comes back under another id (4) with more tokens.
+    for ts, blocks in ((0, (1, 2, 3)), (45_000, (1, 2, 4, 5, 6)), (90_000, (1, 2, 4, 5, 7, 8))):
+        from features.events import BlocksAccessed
+
+        tracker.observe(BlocksAccessed(ts, f"r{ts}", blocks, 16))
+    assert list(tracker.chains) == [8]
+    chain = tracker.chains[8]
+    assert chain.turns == 3 and chain.last_think_ms == 45_000 and chain.prev_length == 5
+
+
+def test_policy_scores_blocks_by_their_chain_and_offers_prefetch_candidates(fitted):
+    policy, train, _ = fitted
+    policy.observe_many(train)
+    now_ms = train[-1].ts_ms + 1
+    blocks = np.fromiter(policy.tracker.latest_leaf, dtype=np.uint64)[-500:]
+    scores = policy.score(blocks, now_ms)
+    assert scores.dtype == np.float32 and scores.shape == blocks.shape
+    assert np.all((scores >= 0) & (scores <= 1))
+    assert policy.score(np.array([2**63 + 7], dtype=np.uint64), now_ms)[0] == 0.0
+    candidates = policy.prefetch_candidates(now_ms, 64)
+    assert 0 < candidates.shape[0] <= 64 and candidates.dtype == np.uint64

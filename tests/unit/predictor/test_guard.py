@@ -1,0 +1,140 @@
+"""The online guard serves the candidate its ghost caches say is best.
+
+Two planted workloads: one where recency is all there is (LRU wins; a frequency
+ranking keeps a stale hot set), one where sessions return after a fixed gap behind
+scans (a fitted LightGBM wins; LRU hits nothing). The guard starts on the wrong
+candidate in each and must move to the right one within a bounded number of requests,
+and its replayed hit ratio must then be within 0.005 of the right candidate's.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from features.events import BlocksAccessed
+from predictor.baselines import LFUPolicy, LRUPolicy
+from predictor.guard import GuardedPolicy, GuardParams, guarded
+from training.replay import distinct_blocks, replay_single_tier, split_events, spread_ties
+
+from .conftest import generated_events
+
+SWITCH_WITHIN_REQUESTS = 1_500
+"""Bound on how long the guard may serve the wrong candidate on these workloads."""
+
+
+def recency_events(num_requests: int = 3_000, seed: int = 5) -> list[BlocksAccessed]:
+    """Pure recency: first a hot set read many times (then never again), then each
+    request re-reads one of the last 8 requests' chains or starts a new one."""
+    rng = np.random.default_rng(seed)
+    events: list[BlocksAccessed] = []
+    next_block = 0
+    hot = list(range(200))
+    next_block = 200
+    chains: list[tuple[int, ...]] = []
+    for i in range(num_requests):
+        if i < 300:
+            chain = tuple(int(b) for b in rng.choice(hot, 8, replace=False))
+        elif chains and rng.random() < 0.6:
+            chain = chains[-1 - int(rng.integers(0, min(8, len(chains))))]
+        else:
+            chain = tuple(range(next_block, next_block + 8))
+            next_block += 8
+            chains.append(chain)
+        events.append(
+            BlocksAccessed(
+                ts_ms=1_000 * i, request_id=str(i), block_hashes=chain, block_size_tokens=16
+            )
+        )
+    return events
+
+
+def _switch_request(policy: GuardedPolicy, events: list[BlocksAccessed], to: str) -> int | None:
+    for i, event in enumerate(events):
+        policy.observe(event)
+        if policy.chosen == to:
+            return i
+    return None
+
+
+def test_guard_moves_from_a_stale_frequency_ranking_to_lru_on_pure_recency():
+    events = recency_events()
+    capacity = 160
+    params = GuardParams(capacity_blocks=capacity, initial="lfu")
+    guard = GuardedPolicy(params, {"lfu": LFUPolicy(), "lru": LRUPolicy()})
+    switched_at = _switch_request(guard, events, "lru")
+    assert switched_at is not None and switched_at < SWITCH_WITHIN_REQUESTS, guard.estimates()
+    # The same guard in replay (fresh, starting on LFU) keeps LRU's hit ratio.
+    lru = replay_single_tier(LRUPolicy(), events, capacity).hit_ratio
+    lfu = replay_single_tier(LFUPolicy(), events, capacity).hit_ratio
+    fresh = GuardedPolicy(params, {"lfu": LFUPolicy(), "lru": LRUPolicy()})
+    served = replay_single_tier(fresh, events, capacity).hit_ratio
+    assert lru > lfu + 0.05  # the workload really favours recency
+    # Only requests served before the switch (at most 500 of 3,000) can lose hits.
+    assert served >= lru - 0.05
+    assert fresh.chosen == "lru" and fresh.num_switches == 1
+
+
+@pytest.fixture(scope="module")
+def planted_model():
+    from training.train import fit_policy_on_events
+
+    events = spread_ties(generated_events("planted", 1_500, seed=11))
+    train, test = split_events(events, 0.6)
+    model = fit_policy_on_events("lightgbm", train, quick=True)
+    return model, train, test
+
+
+def test_guard_moves_from_lru_to_the_model_where_prediction_wins(planted_model):
+    model, train, test = planted_model
+    capacity = int(0.1 * distinct_blocks(test))
+    guard = GuardedPolicy(
+        GuardParams(capacity_blocks=capacity), {"lightgbm": model.fresh_copy(), "lru": LRUPolicy()}
+    )
+    assert guard.chosen == "lru"
+    switched_at = _switch_request(guard, train, "lightgbm")
+    assert switched_at is not None and switched_at < SWITCH_WITHIN_REQUESTS, guard.estimates()
+    served = replay_single_tier(guard, test, capacity)
+    lru = replay_single_tier(_warmed(LRUPolicy(), train), test, capacity).hit_ratio
+    alone = replay_single_tier(_warmed(model.fresh_copy(), train), test, capacity).hit_ratio
+    assert alone > lru + 0.02  # LRU hits next to nothing here
+    assert served.hit_ratio >= alone - 0.005
+    assert guard.chosen == "lightgbm"
+
+
+def _warmed(policy, events):
+    policy.observe_many(events)
+    return policy
+
+
+def test_guard_memory_is_bounded_and_status_is_reported():
+    events = recency_events(2_000)
+    guard = GuardedPolicy(
+        GuardParams(capacity_blocks=100_000, ghost_blocks=64),
+        {"lru": LRUPolicy(), "lfu": LFUPolicy()},
+    )
+    guard.observe_many(events)
+    assert all(len(g.members) <= 64 for g in guard.ghosts.values())
+    assert 0 < guard.rate < 0.001 + 64 / 100_000
+    status = guard.online_status()["guard"]
+    assert status["chosen"] in ("lru", "lfu")
+    assert set(status["estimated_hit_ratio"]) == {"lru", "lfu"}
+    # Scores are the serving candidate's, unchanged.
+    probe = np.array([1, 2, 3, 10_000], dtype=np.uint64)
+    np.testing.assert_array_equal(
+        guard.score(probe, events[-1].ts_ms), guard.serving.score(probe, events[-1].ts_ms)
+    )
+
+
+def test_guard_refuses_bad_configuration():
+    with pytest.raises(ValueError, match="initial candidate"):
+        GuardedPolicy(GuardParams(capacity_blocks=10, initial="lfu"), {"lru": LRUPolicy()})
+    with pytest.raises(ValueError, match="at least one"):
+        GuardedPolicy(GuardParams(capacity_blocks=10), {})
+
+
+def test_default_candidates_are_the_model_lru_and_lfu(planted_model):
+    model, _, _ = planted_model
+    guard = guarded(model.fresh_copy(), 1_000)
+    assert list(guard.candidates) == ["lightgbm", "lru", "lfu"]
+    assert guard.chosen == "lru"
