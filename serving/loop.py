@@ -46,6 +46,12 @@ MovesHook = Callable[[BlocksAccessed | None, list[Move], int], None]
 """Called with (the triggering request or None for a prefetch round, moves, now_ms)."""
 
 
+class StreamHaltError(Exception):
+    """Raised by a hook when the stream itself cannot be served (a wrong clock, say),
+    not one bad event: ``run`` stops and re-raises instead of dead-lettering the event,
+    and commits nothing of the batch in hand."""
+
+
 @dataclass
 class LoopStats:
     events: int = 0
@@ -229,6 +235,8 @@ class Sidecar:
                     return self.stats
                 try:
                     self.handle(event, clock() if clock else None)
+                except StreamHaltError:
+                    raise  # the stream itself cannot be served: nothing is committed
                 except Exception as exc:  # one bad event never stops the stream
                     log.exception("event could not be handled; dead-lettered")
                     source.dead_letter(event, "handler_error", f"{type(exc).__name__}: {exc}")

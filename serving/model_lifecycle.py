@@ -509,6 +509,24 @@ class GuardedPolicy(Policy):
     def outputs_probability(self) -> bool:  # type: ignore[override]
         return self.active.outputs_probability
 
+    @property  # type: ignore[override]
+    def time_base(self) -> dict[str, Any] | None:  # type: ignore[override]
+        return self.active.time_base
+
+    # Declared Policy capabilities reach the active policy (the base class defines them,
+    # so ``__getattr__`` would never see them).
+    def handover_state(self) -> object | None:
+        return self.active.handover_state()
+
+    def adopt_state(self, state: object | None) -> bool:
+        return self.active.adopt_state(state)
+
+    def prefetch_candidates(self, now_ms: int, limit: int) -> np.ndarray:
+        return self.active.prefetch_candidates(now_ms, limit)
+
+    def online_status(self) -> dict[str, Any]:
+        return self.active.online_status()
+
     def observe(self, event: Any) -> None:
         self.active.observe(event)
 

@@ -134,6 +134,14 @@ class IntakeSource:
         """The inner source's readiness (``/readyz``) when it reports one, else True."""
         return self.inner.ready if isinstance(self.inner, ReportsReadiness) else True
 
+    def dead_letter(self, event: Event, reason: str, error: str) -> None:
+        """An event whose handling failed: to the inner source's dead letters (rejects
+        file or dead-letter topic), or only logged when there is no inner source."""
+        if self.inner is not None:
+            self.inner.dead_letter(event, reason, error)
+        else:
+            log.warning("request event dead-lettered (%s): %s", reason, error)
+
     def _ours(self, event: Event) -> bool:
         other = getattr(event, "engine_id", None)
         if self.engine_id is None or not other or other == self.engine_id:

@@ -58,7 +58,7 @@ from serving.decisions import (
     open_sink,
 )
 from serving.http import HealthServer, HealthServerError, SidecarMetrics
-from serving.loop import LoopStats, Sidecar
+from serving.loop import LoopStats, Sidecar, StreamHaltError
 from serving.model_lifecycle import ModelManager, ModelStartError
 from serving.placement import Placement
 from serving.planner import Planner
@@ -338,6 +338,11 @@ class ServeError(RuntimeError):
     do (the CLI prints it as one line and exits 1)."""
 
 
+class ClockMismatchError(ServeError, StreamHaltError):
+    """``--clock wall`` with events stamped far from the wall clock: the whole stream is
+    on another clock, so serving stops (no event is dead-lettered for it)."""
+
+
 class Service:
     """The assembled sidecar. Build, ``start()`` (HTTP, model polling), ``run()``,
     ``close()``. ``stop()`` is safe from a signal handler or another thread."""
@@ -582,7 +587,7 @@ class Service:
         skew_ms = wall_ms() - event.ts_ms
         if abs(skew_ms) > MAX_WALL_CLOCK_SKEW_MS:
             self.stop()
-            raise ServeError(
+            raise ClockMismatchError(
                 f"--clock wall, but event {event.request_id!r} is stamped {event.ts_ms} ms, "
                 f"{skew_ms / 86_400_000:,.1f} days from the wall clock: its features would be "
                 "out of range; serve with --clock event (the default) or produce with --restamp"

@@ -116,7 +116,8 @@ def test_alias_move_recovers_from_a_corrupt_version_without_restart(tmp_path, sm
     assert version == "2"
     assert service.models.num_swaps == 1
     # Served with LRU, then with the new model, every event handled once.
-    assert policies_seen[0] == "lru" and policies_seen[-1] == "lightgbm"
+    # A learned model is served behind the online guard (on by default).
+    assert policies_seen[0] == "lru" and policies_seen[-1] == "guarded"
     # run(max_events=N) stops after the batch that reaches N.
     assert NUM_EVENTS <= service.sidecar.stats.events <= len(list(read_trace(small_trace)))
     rows = [json.loads(x) for x in (tmp_path / "decisions.jsonl").read_text().splitlines()]
