@@ -22,7 +22,7 @@ the policy's loader) and a probe batch scored under ``probe_timeout_s`` with fin
 in-range outputs. A model that fails is refused with the reason (``refused``); the
 previous policy (or LRU) keeps serving.
 
-Run-time guard: the served policy is wrapped in a ``GuardedPolicy``. A score call that
+Run-time guard: the served policy is wrapped in a ``ScoringFallback``. A score call that
 raises or returns nan/inf switches it to LRU (warmed with the recent requests) and
 marks the status degraded (``scoring_failed``); the loop never sees the bad scores.
 ``start_watchdog()`` runs a thread that marks the status degraded (``scoring_stuck``)
@@ -250,7 +250,7 @@ class ModelManager:
 
     @property
     def policy(self) -> Policy:
-        """The served policy (a ``GuardedPolicy`` around the loaded one)."""
+        """The served policy (a ``ScoringFallback`` around the loaded one)."""
         assert self._policy is not None, "call load_initial() first"
         return self._policy
 
@@ -402,13 +402,13 @@ class ModelManager:
         # the newcomer's features (never by the loop: no event is dropped).
         new.observe_many(list(self.recent))
 
-    def _install(self, policy: Policy, status: ModelStatus) -> GuardedPolicy:
-        guarded = GuardedPolicy(policy, self._scoring_failed)
+    def _install(self, policy: Policy, status: ModelStatus) -> ScoringFallback:
+        guarded = ScoringFallback(policy, self._scoring_failed)
         self._policy = guarded
         self._status = _replace(status, loaded_at_s=time.time())
         return guarded
 
-    def _scoring_failed(self, guard: GuardedPolicy, why: str) -> Policy:
+    def _scoring_failed(self, guard: ScoringFallback, why: str) -> Policy:
         """Called by the guard (on the loop thread) when its policy's scores are unusable:
         returns the LRU that takes over, warmed with the recent requests."""
         fallback = make_policy(FALLBACK_POLICY)
@@ -433,7 +433,7 @@ class ModelManager:
         def watch() -> None:
             while not self._stop.wait(interval_s):
                 guard = self._policy
-                if not isinstance(guard, GuardedPolicy):
+                if not isinstance(guard, ScoringFallback):
                     continue
                 since = guard.scoring_since_s
                 current = self._status
@@ -478,8 +478,9 @@ class ModelManager:
         self._thread = self._watchdog = None
 
 
-class GuardedPolicy(Policy):
-    """The served policy behind a guard; every other attribute is the active policy's.
+class ScoringFallback(Policy):
+    """The served policy behind the scoring fallback (not the online guard of
+    ``predictor.guard``); every other attribute is the active policy's.
 
     ``score`` records when the call started (the watchdog reads ``scoring_since_s``) and
     checks the result: an exception or a nan/inf score makes ``on_failure`` hand over a
@@ -487,7 +488,9 @@ class GuardedPolicy(Policy):
     ``np.isfinite`` over the scores; nothing is moved to another thread on the hot path.
     """
 
-    def __init__(self, policy: Policy, on_failure: Callable[[GuardedPolicy, str], Policy]) -> None:
+    def __init__(
+        self, policy: Policy, on_failure: Callable[[ScoringFallback, str], Policy]
+    ) -> None:
         # Policy.__init__ is not called: the guard has no params of its own.
         self.inner = policy
         self.active = policy

@@ -13,7 +13,7 @@ import pytest
 from predictor.lightgbm_policy import LightGBMPolicy
 from predictor.registry import make_policy
 from serving.loop import Sidecar
-from serving.model_lifecycle import GuardedPolicy, ModelManager
+from serving.model_lifecycle import ModelManager, ScoringFallback
 from serving.placement import Placement
 from serving.planner import Planner
 
@@ -98,7 +98,7 @@ def test_nan_scores_at_run_time_switch_to_lru_and_degrade(saved, monkeypatch):
         sidecar.handle(event)  # never raises, never sees a nan
     assert sidecar.stats.events == 300
     assert manager.status.degraded == "scoring_failed" and manager.status.policy == "lru"
-    assert isinstance(sidecar.policy, GuardedPolicy) and sidecar.policy.active.name == "lru"
+    assert isinstance(sidecar.policy, ScoringFallback) and sidecar.policy.active.name == "lru"
     assert sidecar.policy.num_failures == 1
 
 
