@@ -222,7 +222,7 @@ class EnginePublisher:
                 ((s, p) for s, p in self._buffer if s != seq), maxlen=self._buffer.maxlen
             )
 
-    def heartbeat_until(self, ready: Callable[[], bool], timeout_s: float = 5.0) -> None:
+    def heartbeat_until(self, ready: Callable[[], bool], timeout_s: float = 30.0) -> None:
         """Send heartbeats until ``ready()`` (ZMQ's slow joiner: a SUB sees nothing sent
         before its subscription reached the PUB). Raises ``TimeoutError``."""
         deadline = time.monotonic() + timeout_s

@@ -63,12 +63,14 @@ def test_vllm_events_and_request_events_through_kafka_give_engine_hashed_hints(
     kafka_bootstrap: str, unique_topic: Callable[[str], str]
 ) -> None:
     events, decisions, acks = unique_topic("events"), unique_topic("hints"), unique_topic("acks")
-    ensure_topics(kafka_bootstrap, {events: 2, decisions: 1, acks: 1})
+    # One partition: the engine's residency must be read before the requests that
+    # find those blocks in CPU (across partitions the consumer may read either first).
+    ensure_topics(kafka_bootstrap, {events: 1, decisions: 1, acks: 1})
     offloaded, other = vllm_case("plain-16"), vllm_case("lora")
     with EnginePublisher() as publisher:
         subscriber = ZmqSubscriber(parse_zmq_url(publisher.url("vllm-0")))
         producer = KafkaEventProducer(kafka_bootstrap, events, client_id="test-bridge")
-        bridge = Bridge(subscriber, producer, topic=events, num_partitions=2)
+        bridge = Bridge(subscriber, producer, topic=events, num_partitions=1)
         try:
             publisher.heartbeat_until(
                 lambda: bridge.step(timeout_ms=20) >= 0 and bool(bridge.delivered_seq)

@@ -39,7 +39,7 @@ def connect(source: ZmqEventSource, *publishers: EnginePublisher) -> None:
         pub.heartbeat_until(seen)
 
 
-def poll_until(source: ZmqEventSource, done: Callable[[], bool], timeout_s: float = 5.0) -> list:
+def poll_until(source: ZmqEventSource, done: Callable[[], bool], timeout_s: float = 30.0) -> list:
     events: list = []
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
