@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import logging
 import time
+import weakref
 from collections import Counter, deque
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -263,6 +264,13 @@ class ZmqSubscriber:
                 last_seq=(resume_after or {}).get(engine.engine_id)
             )
         self._closed = False
+        # Sockets left to the garbage collector close in any order, a monitored socket
+        # before its monitor is disabled; with libzmq 4.3 that left the shared context
+        # unable to deliver to any later subscriber (seen in tests, 2 runs in 5). The
+        # finalizer holds the sockets and closes them in order if ``close`` was never called.
+        self._finalizer = weakref.finalize(
+            self, _close_sockets, self._subs, self._monitors, self._replays
+        )
 
     def receive(self, max_batches: int, timeout_ms: int) -> list[EngineBatch]:
         """Up to about ``max_batches`` batches (a gap fill may add its batches at once),
@@ -420,12 +428,22 @@ class ZmqSubscriber:
             return
         self._closed = True
         self.connected.clear()
-        for engine_id, sock in self._subs.items():
-            sock.disable_monitor()
-            self._monitors[engine_id].close(linger=0)
-            sock.close(linger=0)
-        for engine_id in list(self._replays):
-            self._drop_replay_socket(engine_id)
+        self._finalizer()
+
+
+def _close_sockets(
+    subs: dict[str, zmq.Socket[bytes]],
+    monitors: dict[str, zmq.Socket[bytes]],
+    replays: dict[str, zmq.Socket[bytes]],
+) -> None:
+    """Each subscriber's monitor is disabled and closed before the subscriber itself."""
+    for engine_id, sock in subs.items():
+        sock.disable_monitor()
+        monitors[engine_id].close(linger=0)
+        sock.close(linger=0)
+    for sock in replays.values():
+        sock.close(linger=0)
+    replays.clear()
 
 
 # --- residency --------------------------------------------------------------------------
