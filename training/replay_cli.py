@@ -212,8 +212,8 @@ _common = [
         type=click.FloatRange(0.05, 2.0),
         default=0.9,
         show_default=True,
-        help="Open loop: prefill load offered with nothing cached, in 90% of the "
-        "trace's windows (~100 requests each); sets the time scale.",
+        help="Open loop: engine load (prefill and decode) offered with nothing cached, "
+        "in 90% of the trace's windows (~100 requests each); sets the time scale.",
     ),
     click.option(
         "--concurrency",

@@ -43,9 +43,13 @@ from training.replay import (
     rescale_time,
     split_events,
     spread_ties,
-    time_scale_for_load,
 )
-from training.tiered import TieredResult, TieredSetup, replay_tiered
+from training.tiered import (
+    TieredResult,
+    TieredSetup,
+    replay_tiered,
+    time_scale_for_engine_load,
+)
 
 log = logging.getLogger(__name__)
 
@@ -68,8 +72,9 @@ class ComparisonConfig:
     modes: tuple[str, ...] = ("single", "tiered")
     profile: str | None = None
     load: float = 0.9
-    """Open loop: offered prefill load of one node if nothing were cached, in 90% of
-    the trace's windows (``training.replay.time_scale_for_load``): sets the time scale."""
+    """Open loop: load offered to one node (prefill, and decode as measured at that
+    prefill load) if nothing were cached, in 90% of the trace's windows
+    (``training.tiered.time_scale_for_engine_load``): sets the time scale."""
     concurrency: int | None = None
     """Tiered mode: closed loop with this many requests in flight (None: open loop)."""
     think_ms: float = 0.0
@@ -173,8 +178,8 @@ def run_comparison(
     profile: Profile = load_profile(config.profile)
     events = spread_ties(list(events))
     # The load is set on the replayed part: the one whose TTFT is measured.
-    scale = time_scale_for_load(
-        split_events(events, config.train_fraction)[1], profile.model.prefill_ms, config.load
+    scale = time_scale_for_engine_load(
+        split_events(events, config.train_fraction)[1], profile, config.load
     )
     events = rescale_time(events, scale)
     train, test = split_events(events, config.train_fraction)

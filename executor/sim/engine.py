@@ -26,7 +26,7 @@ receive the request when those happen.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -230,3 +230,31 @@ class Engine:
             if self.on_finish is not None:
                 for r in finished:
                     self.on_finish(r)
+
+
+def busy_ms_uncached(
+    model: ModelSpec,
+    *,
+    hbm_read_bytes_per_s: float,
+    requests: Sequence[tuple[float, int, int]],
+) -> float:
+    """Engine busy time (prefill and decode) to serve ``requests`` (arrival ms, prompt
+    tokens, output tokens), open loop, with nothing cached: the work a trace offers at
+    its time scale. Decode steps are batched over whatever is decoding, so this depends
+    on the arrival times, not only on the token counts."""
+    engine = Engine(model, hbm_read_bytes_per_s=hbm_read_bytes_per_s)
+    for key, (arrival_ms, prompt, output) in enumerate(sorted(requests)):
+        while (ready := engine.next_start_ms()) is not None and ready < arrival_ms:
+            engine.step(horizon_ms=arrival_ms)
+        engine.submit(
+            EngineRequest(
+                key=key,
+                arrival_ms=arrival_ms,
+                prompt_tokens=prompt,
+                output_tokens=output,
+                load_ready_ms=arrival_ms,  # nothing to load; not startable before it arrives
+            )
+        )
+    while engine.next_start_ms() is not None:
+        engine.step()
+    return engine.busy_ms

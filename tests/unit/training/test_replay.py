@@ -17,7 +17,7 @@ from training.replay import (
     spread_ties,
     time_scale_for_load,
 )
-from training.tiered import TieredSetup, replay_tiered
+from training.tiered import TieredSetup, replay_tiered, time_scale_for_engine_load
 
 
 @pytest.fixture(scope="module")
@@ -84,6 +84,21 @@ def test_sampled_lru_through_the_planner_tracks_exact_lru(planted):
     exact = reference_hit_ratios(test, capacity)["lru_exact"]
     sampled = replay_single_tier(_warm("lru", train), test, capacity).hit_ratio
     assert abs(sampled - exact) < 0.02
+
+
+def test_the_engine_load_counts_decode_work(planted):
+    """The open-loop load counts decode as well as prefill: the time scale is the
+    prefill-only one stretched by the engine's busy / prefill ratio there, so it is
+    longer when decoding costs steps, and the same when it costs next to nothing."""
+    import dataclasses
+
+    profile = load_profile()
+    _, test = planted
+    base = time_scale_for_load(test, profile.model.prefill_ms, 0.9)
+    assert time_scale_for_engine_load(test, profile, 0.9) > 1.05 * base
+    one_token = [dataclasses.replace(e, output_tokens=1) for e in test]
+    no_overhead = profile.with_model(step_overhead_ms=0.0)
+    assert time_scale_for_engine_load(one_token, no_overhead, 0.9) == pytest.approx(base, rel=0.01)
 
 
 @pytest.fixture(scope="module")
