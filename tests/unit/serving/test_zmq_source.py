@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import time
 from collections.abc import Callable, Iterator
 
@@ -391,8 +392,6 @@ def test_a_new_publisher_id_in_24_byte_sequence_frames_is_a_restart():
 def test_a_source_dropped_without_close_leaves_later_subscribers_working():
     """A subscriber the garbage collector closes (monitors still enabled) used to leave
     the shared ZMQ context unable to deliver to the next subscriber, about 2 runs in 5."""
-    import gc
-
     with EnginePublisher() as publisher:
         for _ in range(5):
             dropped = ZmqEventSource(publisher.url("e0"))

@@ -1,5 +1,7 @@
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 
@@ -90,8 +92,6 @@ def test_the_engine_load_counts_decode_work(planted):
     """The open-loop load counts decode as well as prefill: the time scale is the
     prefill-only one stretched by the engine's busy / prefill ratio there, so it is
     longer when decoding costs steps, and the same when it costs next to nothing."""
-    import dataclasses
-
     profile = load_profile()
     _, test = planted
     base = time_scale_for_load(test, profile.model.prefill_ms, 0.9)
