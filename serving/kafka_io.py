@@ -318,10 +318,15 @@ class _RebalanceListener(ConsumerRebalanceListener):  # type: ignore[misc]
         self.source = source
 
     def on_partitions_revoked(self, revoked: Any) -> None:
-        self.source._forget(set(revoked))
+        revoked = set(revoked)
+        if self.source.on_revoked is not None:
+            self.source.on_revoked(revoked)
+        self.source._forget(revoked)
 
     def on_partitions_assigned(self, assigned: Any) -> None:
         log.info("assigned partitions: %s", sorted((tp.topic, tp.partition) for tp in assigned))
+        if self.source.on_assigned is not None:
+            self.source._resume(self.source.on_assigned(set(assigned)))
 
 
 class KafkaEventSource:
@@ -345,6 +350,13 @@ class KafkaEventSource:
 
     Events without a ``request_id`` of their own (Mooncake rows) get
     ``"<topic>/<partition>/<offset>"``, so a redelivered event has the same id.
+
+    For state kept per partition (``serving.shards``): ``polled_partitions`` names the
+    partition of each event the last ``poll`` returned; ``positions()`` says where each
+    partition stands (next offset, events of that message already handed out);
+    ``on_revoked(tps)`` and ``on_assigned(tps) -> {tp: position}`` are called from the
+    rebalance listener, and the consumer seeks to each position returned (skipping the
+    events of a message the snapshot already holds).
     """
 
     def __init__(
@@ -406,6 +418,13 @@ class KafkaEventSource:
         self._pending: deque[_Fetched] = deque()
         self._committable: dict[TopicPartition, int] = {}
         self._committed: dict[TopicPartition, int] = {}
+        self._position: dict[TopicPartition, tuple[int, int]] = {}
+        self._skip: dict[TopicPartition, tuple[int, int]] = {}
+        self.polled_partitions: list[TopicPartition] = []
+        self.on_revoked: Callable[[set[TopicPartition]], None] | None = None
+        self.on_assigned: (
+            Callable[[set[TopicPartition]], dict[TopicPartition, tuple[int, int]]] | None
+        ) = None
         self._closed = False
         self.num_messages = 0
         self.num_events = 0
@@ -428,20 +447,40 @@ class KafkaEventSource:
                 for record in records:
                     self._pending.append(self._decode(record))
         out: list[Event] = []
+        partitions: list[TopicPartition] = []
         while self._pending and len(out) < max_events:
             head = self._pending[0]
             take = head.events[head.num_handed_out : head.num_handed_out + max_events - len(out)]
             out.extend(take)
+            partitions.extend([head.tp] * len(take))
             head.num_handed_out += len(take)
             if head.num_handed_out == len(head.events):
                 self._committable[head.tp] = head.offset + 1
+                self._position[head.tp] = (head.offset + 1, 0)
                 self._pending.popleft()
+            else:
+                self._position[head.tp] = (head.offset, head.num_handed_out)
         # Dead-lettered messages right behind the last one handed out are done too.
         while self._pending and not self._pending[0].events:
             done = self._pending.popleft()
             self._committable[done.tp] = done.offset + 1
+            self._position[done.tp] = (done.offset + 1, 0)
         self.num_events += len(out)
+        self.polled_partitions = partitions
         return out
+
+    def positions(self) -> dict[TopicPartition, tuple[int, int]]:
+        """Where each partition handed out so far stands: (next offset, events of the
+        message at that offset already handed out)."""
+        return dict(self._position)
+
+    def _resume(self, seek: dict[TopicPartition, tuple[int, int]]) -> None:
+        """Seek each partition to a position kept in a snapshot (rebalance listener)."""
+        for tp, (offset, skip) in seek.items():
+            self._consumer.seek(tp, offset)
+            self._position[tp] = (offset, skip)
+            if skip:
+                self._skip[tp] = (offset, skip)
 
     def _decode(self, record: Any) -> _Fetched:
         self.num_messages += 1
@@ -460,7 +499,12 @@ class KafkaEventSource:
         except Exception as exc:  # a decoder bug must not stop the stream either
             log.exception("unexpected error decoding %s", request_id)
             self._dead_letter(record, "decoder_error", f"{type(exc).__name__}: {exc}")
-        return _Fetched(tp, record.offset, events)
+        fetched = _Fetched(tp, record.offset, events)
+        skip = self._skip.pop(tp, None)
+        if skip is not None and skip[0] == record.offset:
+            # A restored snapshot already holds the first events of this message.
+            fetched.num_handed_out = min(skip[1], len(events))
+        return fetched
 
     def _dead_letter(self, record: Any, reason: str, error: str) -> None:
         self.num_dead_letters += 1
@@ -510,6 +554,8 @@ class KafkaEventSource:
         for tp in revoked:
             self._committable.pop(tp, None)
             self._committed.pop(tp, None)
+            self._position.pop(tp, None)
+            self._skip.pop(tp, None)
 
     def commit(self) -> None:
         if self._dlq is not None:

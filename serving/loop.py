@@ -217,22 +217,27 @@ class Sidecar:
         poll_timeout_ms: int = 200,
         flush: Callable[[], None] | None = None,
         max_events: int | None = None,
+        route: Callable[[int], None] | None = None,
     ) -> LoopStats:
         """Consume ``source`` until it is exhausted, ``stop`` is set or ``max_events``.
 
         ``clock`` gives now in ms (wall clock when serving); None uses event time.
         ``flush`` is called before each commit so sinks have delivered the moves.
+        ``route(i)`` is called before the ``i``-th event of each polled batch (state kept
+        per partition switches its shard in there: ``serving.shards``).
         """
         stop = stop or threading.Event()
         handled = 0
         while not stop.is_set():
             events = source.poll(batch_size, poll_timeout_ms)
-            for event in events:
+            for i, event in enumerate(events):
                 if stop.is_set():
                     # Shutdown between two events: nothing of this batch is committed,
                     # so the source redelivers it (at least once), and a long batch
                     # never delays a SIGTERM by more than one event.
                     return self.stats
+                if route is not None:
+                    route(i)
                 try:
                     self.handle(event, clock() if clock else None)
                 except StreamHaltError:

@@ -69,6 +69,7 @@ from serving.request_intake import (
     RequestIntake,
 )
 from serving.settings import Endpoint, SidecarSettings, load_settings
+from serving.shards import ShardedState
 from serving.sources import EventSource, FileSource, ReportsReadiness
 
 if TYPE_CHECKING:
@@ -433,7 +434,9 @@ class Service:
                 f"--engine-id {settings.engine_id} names no engine of the source "
                 f"({', '.join(known)}); add engine={settings.engine_id} to the zmq:// URL"
             )
-        if settings.http_enabled and settings.request_intake:
+        if settings.http_enabled and settings.request_intake and settings.state_topic is None:
+            # (With --state-topic every event belongs to a partition's shard; requests
+            # posted over HTTP would belong to none, so the intake is off.)
             self.intake = RequestIntake(
                 tokenize=load_tokenizer(settings.tokenizer_path)
                 if settings.tokenizer_path
@@ -459,6 +462,84 @@ class Service:
         )
         self.http: HealthServer | None = None
         self._wall_checked = False
+        self.shards: ShardedState | None = None
+        self._kafka: Any = None
+        if settings.state_topic is not None:
+            self._shard_state(inner)
+
+    # -- state per partition -----------------------------------------------------------------
+    def _shard_state(self, inner: EventSource) -> None:
+        """``--state-topic``: one shard of state per Kafka partition, checkpointed to a
+        compacted topic and restored on restart or rebalance (``serving.shards``)."""
+        from serving.checkpoint import (
+            NotCheckpointableError,
+            check_checkpointable,
+            policy_signature,
+        )
+        from serving.kafka_io import KafkaChangelog, KafkaEventSource
+        from serving.state_store import StateStore
+
+        s = self.settings
+        if not isinstance(inner, KafkaEventSource):
+            inner.close()
+            raise ServeError(
+                f"--state-topic {s.state_topic}: state is kept per Kafka partition, so it needs "
+                "a kafka: source (and no --engine-id filter or request intake in front of it); "
+                "drop --state-topic for a file or ZMQ source"
+            )
+        try:
+            check_checkpointable(self.sidecar.policy)
+        except NotCheckpointableError as exc:
+            inner.close()
+            raise ServeError(f"--state-topic: policy {self.sidecar.policy.name}: {exc}") from None
+        assert s.state_topic is not None
+        store = StateStore(KafkaChangelog(inner.bootstrap, s.state_topic))
+        fingerprint = {
+            "tiers": list(self.placement.tier_names),
+            "capacities": list(self.placement.capacities),
+            "planner": s.planner.model_dump(mode="json"),
+            "recent_requests": s.recent_requests,
+            "prefetch": [s.prefetch, s.prefetch_interval_ms],
+            "policy": policy_signature(self.sidecar.policy),
+        }
+        self.shards = ShardedState(
+            self.sidecar,
+            self.decisions,
+            store,
+            planner_params=s.planner,
+            fingerprint=fingerprint,
+            interval_s=s.state_checkpoint_interval_s,
+        )
+        # Hot swaps now reach every shard (the warm-up hook ModelManager.attach added
+        # to the sidecar stays: shards share the sidecar's hooks).
+        self.models.sidecar = self.shards
+        group = inner.group_id
+        self._kafka = inner
+
+        def key(tp: Any) -> str:
+            return f"{group}/{tp.topic}/{tp.partition}"
+
+        def positions() -> dict[str, tuple[int, int]]:
+            return {key(tp): pos for tp, pos in inner.positions().items()}
+
+        def revoked(tps: set[Any]) -> None:
+            assert self.shards is not None
+            self.shards.on_revoked([key(tp) for tp in tps], positions())
+
+        def assigned(tps: set[Any]) -> dict[Any, tuple[int, int]]:
+            assert self.shards is not None
+            by_key = {key(tp): tp for tp in tps}
+            seek = self.shards.on_assigned(sorted(by_key))
+            return {by_key[k]: pos for k, pos in seek.items()}
+
+        inner.on_revoked, inner.on_assigned = revoked, assigned
+        self._positions = positions
+        self._partition_key = key
+
+    def _route(self, i: int) -> None:
+        """Switch the shard of the ``i``-th event of the batch in hand into the sidecar."""
+        assert self.shards is not None
+        self.shards.activate(self._partition_key(self._kafka.polled_partitions[i]))
 
     # -- assembly ------------------------------------------------------------------------
     def _tiers(self) -> tuple[tuple[str, ...], tuple[int, ...]]:
@@ -537,6 +618,8 @@ class Service:
 
     def _flush(self) -> None:
         self.sink.flush()
+        if self.shards is not None:  # decisions delivered, then state, then offsets
+            self.shards.checkpoint(self._positions())
         self.source.delivered()
 
     # -- health --------------------------------------------------------------------------
@@ -607,6 +690,7 @@ class Service:
             poll_timeout_ms=s.poll_timeout_ms,
             flush=self._flush,
             max_events=max_events,
+            route=self._route if self.shards is not None else None,
         )
 
     def close(self) -> None:
@@ -652,6 +736,17 @@ class Service:
     help="Records on every decisions sink: native decision JSON or KV hint envelopes.",
 )
 @click.option("--engine-id", help="Serve this engine only (events naming others are dropped).")
+@click.option(
+    "--state-topic",
+    help="Kafka source: keep state per partition and checkpoint it to this compacted topic, "
+    "so restarts and rebalances resume with the same state and decision ids (default off).",
+)
+@click.option(
+    "--state-checkpoint-s",
+    "state_checkpoint_interval_s",
+    type=click.FloatRange(0, 86_400),
+    help="Least seconds between two checkpoints of one partition (default 30; 0: every commit).",
+)
 @click.option(
     "--config",
     "config_path",

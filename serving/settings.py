@@ -252,6 +252,24 @@ class SidecarSettings(BaseSettings):
     kafka_dead_letter_topic: str | None = Field(
         None, description="Dead-letter topic of a Kafka source (default: SOURCE_TOPIC.dlq)."
     )
+    state_topic: str | None = Field(
+        None,
+        min_length=1,
+        max_length=249,
+        pattern=r"^[A-Za-z0-9._-]+$",
+        description="Kafka source: keep the sidecar's state per partition and checkpoint it "
+        "to this compacted topic (on the source's broker), so a restarted sidecar, or the "
+        "one a partition moves to, resumes with the same state and re-emits the same "
+        "decision ids (serving/shards.py). Off by default.",
+    )
+    state_checkpoint_interval_s: float = Field(
+        30.0,
+        ge=0,
+        le=86_400,
+        description="Least time between two checkpoints of one partition's state (0: at "
+        "every commit). A partition is also checkpointed at its first commit and when a "
+        "rebalance takes it away; a restart re-handles the events after its last one.",
+    )
 
     # -- tiers and planner ---------------------------------------------------------------
     tier_names: tuple[str, ...] = Field(

@@ -1,0 +1,311 @@
+"""State per partition, checkpointed to a changelog: what makes a restart or a
+rebalance give the same decisions as a run that never stopped.
+
+With ``--state-topic`` set, a Kafka-fed sidecar keeps one *shard* per partition it
+consumes: its own policy state, planner RNG, placement mirror, recent-request ring,
+prefetch timer and decision origin (everything ``serving.checkpoint`` lists). A
+partition's decisions then depend only on that partition's events, never on which
+sidecar of the group reads it or what else that sidecar reads: the way Kafka Streams
+keeps one state store per task. The ``Sidecar`` stays one object; ``ShardedState``
+switches a shard's objects into it before each of that shard's events (references,
+no copies).
+
+Checkpoints (``checkpoint``) go to a ``StateStore`` over a compacted topic, one key per
+``<group>/<topic>/<partition>``. A snapshot holds the shard's state and the partition
+position it corresponds to: the next offset and how many events of that message were
+already handled (a message may carry several events). The sidecar checkpoints a shard
+
+- at its first commit (so a committed offset never runs ahead of every snapshot),
+- then at a commit at least ``interval_s`` after its previous checkpoint,
+- and when its partition is revoked in a rebalance (after the last commit).
+
+Order at a commit: decisions flushed, dirty shards checkpointed, offsets committed.
+On assignment the new owner loads the partition's newest snapshot, restores it into a
+fresh shard and seeks to its position; events after it are handled again, giving the
+same decision ids (the executor applies them once). A partition without a snapshot
+starts empty at the committed offset. A snapshot that does not fit (other tiers,
+another policy structure) is logged and the shard starts empty at the committed offset.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+from predictor.base import Policy
+from serving.checkpoint import CheckpointError, capture, fresh_policy, restore
+from serving.placement import Placement
+from serving.planner import Planner, PlannerParams
+from serving.state_store import StateStore
+
+log = logging.getLogger(__name__)
+
+SNAPSHOT_VERSION = 1
+
+
+@dataclass
+class Shard:
+    """One partition's world (see the module docstring)."""
+
+    key: str
+    policy: Policy
+    planner: Planner
+    placement: Placement
+    recent: deque[tuple[int, ...]]
+    last_prefetch_ms: int | None = None
+    last_origin: str = "start"
+    generation: int = 0
+    """The model generation its policy was built from (``ShardedState.generation``)."""
+    dirty: bool = False
+    """Handled events since its last checkpoint."""
+    checkpointed_at_s: float | None = None
+    num_checkpoints: int = 0
+
+
+@dataclass
+class ShardStats:
+    checkpoints: int = 0
+    checkpoint_seconds: float = 0.0
+    checkpoint_bytes: int = 0
+    restores: int = 0
+    restore_misses: int = 0
+    restore_mismatches: int = 0
+    shards_created: int = 0
+    shards_dropped: int = 0
+    by_key: dict[str, int] = field(default_factory=dict)
+
+
+class ShardedState:
+    """Per-partition shards switched into one sidecar; checkpoints and restores them.
+
+    ``sidecar`` is a ``serving.loop.Sidecar``; ``decisions`` its ``DecisionMaker`` (its
+    ``placement`` and prefetch origin are per shard too). ``store`` is where snapshots
+    go; ``fingerprint`` describes the configuration a snapshot must match (tiers,
+    capacities, policy) to be restored.
+    """
+
+    def __init__(
+        self,
+        sidecar: Any,
+        decisions: Any,
+        store: StateStore,
+        *,
+        planner_params: PlannerParams,
+        fingerprint: dict[str, Any],
+        interval_s: float = 30.0,
+        clock_s: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.sidecar = sidecar
+        self.decisions = decisions
+        self.store = store
+        self.planner_params = planner_params
+        self.fingerprint = fingerprint
+        self.interval_s = interval_s
+        self.clock_s = clock_s
+        self.template: Policy = sidecar.policy
+        """The policy new shards copy (model + wrappers): the latest swapped in."""
+        self._template_used = False
+        self.generation = 0
+        self.shards: dict[str, Shard] = {}
+        self.active: Shard | None = None
+        self.stats = ShardStats()
+        self._kept: dict[str, tuple[Shard, tuple[int, int]]] = {}
+        self._lock: threading.Lock = sidecar._lock
+
+    # -- what ModelManager.attach needs ---------------------------------------------------
+    @property
+    def hooks(self) -> list[Any]:
+        return self.sidecar.hooks  # type: ignore[no-any-return]
+
+    @property
+    def policy(self) -> Policy:
+        return self.sidecar.policy  # type: ignore[no-any-return]
+
+    def swap_policy(self, policy: Policy) -> None:
+        """A hot swap: every shard moves to the new model, keeping its online state
+        where the new policy can adopt it (same features), else starting it empty."""
+        wrap = getattr(self.sidecar, "wrap_policy", None)
+        new = wrap(policy) if wrap is not None else policy
+        with self._lock:
+            self.template = new
+            self._template_used = False
+            self.generation += 1
+            for shard in self.shards.values():
+                self._migrate(shard)
+            if self.active is not None:
+                self.sidecar.policy = self.active.policy
+
+    def _migrate(self, shard: Shard) -> None:
+        policy = self._new_policy()
+        if not policy.adopt_state(shard.policy.handover_state()):
+            log.info("shard %s: the new model cannot adopt its feature state; starts empty",
+                     shard.key)  # fmt: skip
+        shard.policy, shard.generation = policy, self.generation
+
+    def _new_policy(self) -> Policy:
+        if not self._template_used:  # the first shard serves the installed object itself
+            self._template_used = True
+            return self.template
+        return fresh_policy(self.template)  # type: ignore[no-any-return]
+
+    # -- shards -------------------------------------------------------------------------
+    def _new_shard(self, key: str) -> Shard:
+        s = self.sidecar
+        placement = Placement(list(s.placement.tier_names), list(s.placement.capacities))
+        shard = Shard(
+            key=key,
+            policy=self._new_policy(),
+            planner=Planner(self.planner_params),
+            placement=placement,
+            recent=deque(maxlen=s.recent.maxlen),
+            generation=self.generation,
+        )
+        self.stats.shards_created += 1
+        return shard
+
+    def activate(self, key: str) -> None:
+        """Switch ``key``'s shard into the sidecar (created empty on first use)."""
+        if self.active is not None and self.active.key == key:
+            self.active.dirty = True
+            return
+        with self._lock:
+            self._stash()
+            shard = self.shards.get(key)
+            if shard is None:
+                shard = self.shards[key] = self._new_shard(key)
+            s, d = self.sidecar, self.decisions
+            s.policy, s.planner, s.placement = shard.policy, shard.planner, shard.placement
+            s.recent, s._last_prefetch_ms = shard.recent, shard.last_prefetch_ms
+            d.placement, d._last_origin = shard.placement, shard.last_origin
+            shard.dirty = True
+            self.active = shard
+
+    def _stash(self) -> None:
+        """Write the sidecar's scalars back into the active shard (objects are shared)."""
+        shard = self.active
+        if shard is None:
+            return
+        shard.last_prefetch_ms = self.sidecar._last_prefetch_ms
+        shard.last_origin = self.decisions._last_origin
+        shard.recent = self.sidecar.recent
+
+    def deactivate(self) -> None:
+        with self._lock:
+            self._stash()
+            self.active = None
+
+    # -- snapshots --------------------------------------------------------------------------
+    def snapshot(self, shard: Shard, position: tuple[int, int]) -> dict[str, Any]:
+        if shard is self.active:
+            self._stash()
+        return {
+            "v": SNAPSHOT_VERSION,
+            "fingerprint": self.fingerprint,
+            "position": list(position),
+            "policy": capture(shard.policy),
+            "planner": capture(shard.planner),
+            "placement": capture(shard.placement),
+            "recent": [list(chain) for chain in shard.recent],
+            "last_prefetch_ms": shard.last_prefetch_ms,
+            "last_origin": shard.last_origin,
+        }
+
+    def restore_shard(self, key: str, tree: Any) -> tuple[int, int]:
+        """A fresh shard for ``key`` holding ``tree``'s state; returns the position to
+        resume from. Raises ``CheckpointError`` when the snapshot does not fit."""
+        if not isinstance(tree, dict) or tree.get("v") != SNAPSHOT_VERSION:
+            raise CheckpointError(f"snapshot version {tree.get('v') if isinstance(tree, dict) else '?'}"
+                                  f" is not {SNAPSHOT_VERSION}")  # fmt: skip
+        if tree.get("fingerprint") != self.fingerprint:
+            raise CheckpointError(
+                f"snapshot taken with {tree.get('fingerprint')}, this sidecar runs "
+                f"{self.fingerprint}"
+            )
+        shard = self._new_shard(key)
+        restore(shard.policy, tree["policy"])
+        restore(shard.planner, tree["planner"])
+        restore(shard.placement, tree["placement"])
+        shard.recent.extend(tuple(int(b) for b in chain) for chain in tree["recent"])
+        shard.last_prefetch_ms = tree["last_prefetch_ms"]
+        shard.last_origin = str(tree["last_origin"])
+        offset, skip = (int(x) for x in tree["position"])
+        shard.checkpointed_at_s = self.clock_s()
+        with self._lock:
+            if self.active is not None and self.active.key == key:
+                self.active = None
+            self.shards[key] = shard
+        return offset, skip
+
+    def checkpoint(
+        self, positions: dict[str, tuple[int, int]], *, force: bool = False
+    ) -> list[str]:
+        """Save the dirty shards that are due (see the module docstring) at the
+        positions given (key -> (next offset, events handled of that message)); returns
+        the keys saved. A shard without a position is skipped."""
+        now = self.clock_s()
+        saved = []
+        for key, shard in self.shards.items():
+            if not shard.dirty or key not in positions:
+                continue
+            due = (
+                force
+                or shard.checkpointed_at_s is None
+                or now - shard.checkpointed_at_s >= self.interval_s
+            )
+            if not due:
+                continue
+            t0 = time.perf_counter()
+            self.store.save(key, self.snapshot(shard, positions[key]))
+            self.stats.checkpoint_seconds += time.perf_counter() - t0
+            self.stats.checkpoints += 1
+            self.stats.by_key[key] = self.stats.by_key.get(key, 0) + 1
+            shard.dirty = False
+            shard.checkpointed_at_s = now
+            shard.num_checkpoints += 1
+            saved.append(key)
+        return saved
+
+    # -- rebalances ---------------------------------------------------------------------------
+    def on_revoked(self, keys: Iterable[str], positions: dict[str, tuple[int, int]]) -> None:
+        """Partitions taken away: checkpoint them where they stand, then set them
+        aside (kept in memory until the assignment that follows decides)."""
+        keys = [k for k in keys if k in self.shards]
+        self.checkpoint({k: positions[k] for k in keys if k in positions}, force=True)
+        self.deactivate()
+        for key in keys:
+            shard = self.shards.pop(key)
+            if key in positions:
+                self._kept[key] = (shard, positions[key])
+            self.stats.shards_dropped += 1
+
+    def on_assigned(self, keys: Iterable[str]) -> dict[str, tuple[int, int]]:
+        """Partitions given to this sidecar: returns key -> position to seek to, for
+        those resumed from a kept shard or a snapshot (others: the committed offset)."""
+        seek: dict[str, tuple[int, int]] = {}
+        kept, self._kept = self._kept, {}
+        for key in keys:
+            if key in kept:  # revoked and given back in one rebalance
+                self.shards[key], seek[key] = kept[key]
+                continue
+            tree = self.store.load(key)
+            if tree is None:
+                self.stats.restore_misses += 1
+                log.info("partition %s: no snapshot, starting empty at the committed offset", key)
+                continue
+            try:
+                seek[key] = self.restore_shard(key, tree)
+            except (CheckpointError, KeyError, TypeError, ValueError) as exc:
+                self.stats.restore_mismatches += 1
+                self.shards.pop(key, None)
+                log.warning("partition %s: snapshot not restored (%s); starting empty at the "
+                            "committed offset", key, exc)  # fmt: skip
+                continue
+            self.stats.restores += 1
+            log.info("partition %s: state restored, resuming at offset %d (+%d events)",
+                     key, *seek[key])  # fmt: skip
+        return seek
