@@ -5,10 +5,13 @@ The sidecar runs on the first ``--events`` requests (event clock, LRU) with the
 executor built from ``--config`` (default: the repository's sample ``executor.toml``,
 copied into a temp dir so its tiers and journal land there). Time spent applying
 decisions (the executor sink's ``emit`` and ``flush``) is measured in wall and CPU
-seconds, with the number of journal fsyncs. The baseline, in the same process: the
-same run with the journal not fsynced at all (the most group commit could reach);
-optionally one fsync per journal record (as before group commit) on the first
-``--baseline-events`` requests.
+seconds, with the number of journal fsyncs (serve's sink syncs the journal at each
+flush, before offsets commit); the engine stand-in's stores (``place_store``) are
+timed apart. The baseline, in the same process: the same run with the journal not
+fsynced at all (the most group commit could reach); optionally one fsync per journal
+record (as before group commit) on the first ``--baseline-events`` requests. A short
+untimed run first warms the process (imports, first calls), which would otherwise be
+charged to the first row.
 """
 
 from __future__ import annotations
@@ -30,8 +33,9 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 
 
 def _write_config(src: Path, dst_dir: Path, journal: str) -> Path:
-    """``src`` with the journal mode set: "group" (fsync per batch), "record" (fsync per
-    record) or "off" (no fsync)."""
+    """``src`` with the journal mode set: "flush" or "batch" (group commit: fsync per
+    flush of the sidecar, or per applied batch), "record" (fsync per record) or "off"
+    (no fsync)."""
     text = src.read_text()
     config = tomllib.loads(text)  # validate before editing
     if "executor" not in config:
@@ -46,13 +50,16 @@ def _write_config(src: Path, dst_dir: Path, journal: str) -> Path:
         out.append(line)
         if line.strip() == "[executor]":
             out.append(f"fsync_journal = {'false' if journal == 'off' else 'true'}")
-            out.append(f"group_commit = {'true' if journal == 'group' else 'false'}")
+            out.append(f"group_commit = {'false' if journal == 'record' else 'true'}")
     path = dst_dir / "executor.toml"
     path.write_text("\n".join(out) + "\n")
     return path
 
 
-def _run(config: Path, trace: Path, block_size_bytes: int, target_ms: float) -> dict[str, Any]:
+def _run(
+    config: Path, trace: Path, block_size_bytes: int, target_ms: float, *, sync_each_apply: bool
+) -> dict[str, Any]:
+    from executor.core import Executor
     from serving.serve_cli import Service
     from serving.settings import load_settings
 
@@ -69,7 +76,11 @@ def _run(config: Path, trace: Path, block_size_bytes: int, target_ms: float) -> 
     service = Service(settings)
     sink = service.executor_sink
     assert sink is not None
-    spent = {"wall": 0.0, "cpu": 0.0}
+    # serve's sink syncs at each flush; True: also after every applied batch.
+    executor = service.executor
+    assert isinstance(executor, Executor)
+    executor.sync_each_apply = sync_each_apply
+    spent = {"wall": 0.0, "cpu": 0.0, "store": 0.0}
 
     def timed(fn: Any) -> Any:
         def wrapper(*args: Any) -> Any:
@@ -82,8 +93,19 @@ def _run(config: Path, trace: Path, block_size_bytes: int, target_ms: float) -> 
 
         return wrapper
 
+    def timed_store(fn: Any) -> Any:
+        def wrapper(*args: Any) -> Any:
+            wall = time.perf_counter()
+            try:
+                return fn(*args)
+            finally:
+                spent["store"] += time.perf_counter() - wall
+
+        return wrapper
+
     sink.emit = timed(sink.emit)  # type: ignore[method-assign]
     sink.flush = timed(sink.flush)  # type: ignore[method-assign]
+    service.decisions.on_store = timed_store(service.decisions.on_store)
     try:
         stats = service.run()
     finally:
@@ -95,7 +117,8 @@ def _run(config: Path, trace: Path, block_size_bytes: int, target_ms: float) -> 
         "stores": sum(n for (action, _), n in sink.outcomes.items() if action == "store"),
         "wall_s": spent["wall"],
         "cpu_s": spent["cpu"],
-        "fsyncs": service.executor.journal.num_fsyncs,
+        "store_s": spent["store"],
+        "fsyncs": executor.journal.num_fsyncs,
         "per_s": num / spent["wall"] if spent["wall"] else 0.0,
         "per_cpu_s": num / spent["cpu"] if spent["cpu"] else 0.0,
     }
@@ -127,67 +150,87 @@ def _head(trace: Path, n: int, dst: Path) -> Path:
 )
 @click.option("--block-size-bytes", default=65536, show_default=True, type=click.IntRange(1))
 @click.option(
+    "--repeats",
+    default=3,
+    show_default=True,
+    type=click.IntRange(1, 20),
+    help="Runs of each journal mode, taken in turn; the median run (by decisions/s) of "
+    "each is shown (on a shared machine one run can be off by 2x).",
+)
+@click.option(
     "--target-batch-latency-ms",
     default=300.0,
     show_default=True,
-    help="The sidecar's batch target: one journal fsync per batch.",
+    help="The sidecar's batch target.",
 )
 def bench_executor_apply(
     events: int,
     baseline_events: int,
     config: Path,
     block_size_bytes: int,
+    repeats: int,
     target_batch_latency_ms: float,
 ) -> None:
-    """Decisions/s applied by the local executor in serve, group commit vs per record."""
+    """Decisions/s applied by the local executor in serve: journal fsynced per flush
+    (serve's default), per batch, per record; against no fsync in the same process."""
     trace = shared_trace_path()
     if trace is None:
         raise click.ClickException("the shared trace is missing (set KVWARM_SHARED_TRACE)")
     work = Path(tempfile.mkdtemp(prefix="kvwarm-bench-apply-"))
     try:
-        rows = []
-        for label, n, journal in (
-            ("group commit", events, "group"),
+        runs: dict[str, list[dict[str, Any]]] = {}
+        modes = [
+            ("per flush", events, "flush"),
+            ("per batch", events, "batch"),
             ("no fsync", events, "off"),
-            ("per record", baseline_events, "record"),
-        ):
-            if not n:
-                continue
-            run_dir = work / label.replace(" ", "-")
+        ]
+        schedule = [("warm-up", min(events, 50), "off")] + modes * repeats
+        if baseline_events:
+            schedule.append(("per record", baseline_events, "record"))
+        for i, (label, n, journal) in enumerate(schedule):
+            run_dir = work / f"{i}-{label.replace(' ', '-')}"
             run_dir.mkdir()
             path = _write_config(config, run_dir, journal)
-            rows.append(
-                (
-                    label,
-                    _run(
-                        path,
-                        _head(trace, n, run_dir / "t.jsonl"),
-                        block_size_bytes,
-                        target_batch_latency_ms,
-                    ),
-                )
+            result = _run(
+                path,
+                _head(trace, n, run_dir / "t.jsonl"),
+                block_size_bytes,
+                target_batch_latency_ms,
+                sync_each_apply=journal == "batch",
             )
+            shutil.rmtree(run_dir, ignore_errors=True)
+            if label != "warm-up":
+                runs.setdefault(label, []).append(result)
+        rows = [
+            (label, sorted(results, key=lambda r: r["per_s"])[len(results) // 2])
+            for label, results in runs.items()
+        ]
     finally:
         shutil.rmtree(work, ignore_errors=True)
     click.echo(
         "decisions: promote/demote/evict applied by the executor; stores: blocks the "
-        "engine stand-in wrote; per s: decisions per second of time spent applying both."
+        "engine stand-in wrote; per s: decisions per second of time spent applying them "
+        "(emit + flush); store s: time in the stores, apart."
     )
     click.echo(
         f"local executor from {config.name}, {block_size_bytes} B blocks, batch target "
-        f"{target_batch_latency_ms:g} ms"
+        f"{target_batch_latency_ms:g} ms; median of {repeats} runs per mode, taken in turn"
     )
     click.echo(
-        f"{'journal':>13} {'events':>7} {'decisions':>10} {'stores':>7} {'fsyncs':>7} {'wall s':>7} "
-        f"{'CPU s':>6} {'per s':>8} {'per CPU s':>10}"
+        f"{'journal fsync':>13} {'events':>7} {'decisions':>10} {'stores':>7} {'fsyncs':>7} {'wall s':>7} "
+        f"{'CPU s':>6} {'per s':>8} {'per CPU s':>10} {'store s':>8}"
     )
     for label, r in rows:
         click.echo(
             f"{label:>13} {r['events']:>7} {r['decisions']:>10} {r['stores']:>7} {r['fsyncs']:>7} "
-            f"{r['wall_s']:>7.2f} {r['cpu_s']:>6.2f} {r['per_s']:>8.0f} {r['per_cpu_s']:>10.0f}"
+            f"{r['wall_s']:>7.2f} {r['cpu_s']:>6.2f} {r['per_s']:>8.0f} {r['per_cpu_s']:>10.0f} "
+            f"{r['store_s']:>8.2f}"
         )
-    if len(rows) >= 2 and rows[1][1]["per_s"]:
-        click.echo(
-            "journal fsynced with group commit / journal not fsynced: "
-            f"{rows[0][1]['per_s'] / rows[1][1]['per_s']:.2f}x decisions/s"
-        )
+    by_label = dict(rows)
+    base = by_label["no fsync"]["per_s"]
+    if base:
+        for label in ("per flush", "per batch"):
+            click.echo(
+                f"journal fsynced {label} (group commit) / journal not fsynced: "
+                f"{by_label[label]['per_s'] / base:.2f}x decisions/s"
+            )

@@ -45,6 +45,15 @@ def block_key(block_id: object) -> str:
     # Fast path (called several times per decision): a plain int in range.
     if type(block_id) is int and 0 <= block_id <= MAX_BLOCK_HASH:
         return f"{block_id:016x}"
+    # A key already (tiers are called with keys): the character class excludes NUL and
+    # separators; the checks below say which rule a bad id broke.
+    if (
+        type(block_id) is str
+        and len(block_id) <= MAX_KEY_CHARS
+        and ".." not in block_id
+        and _KEY_RE.fullmatch(block_id) is not None
+    ):
+        return block_id
     if isinstance(block_id, bool):
         raise InvalidBlockIdError(block_id, "booleans are not block ids")
     if isinstance(block_id, int):

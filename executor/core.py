@@ -6,12 +6,15 @@ Primitives:
   ``last_recovery`` says what it found.
 - ``apply(decisions) -> list[Outcome]``: the ``executor.protocol.Executor`` batch
   call. In order, with moves of different blocks run in parallel (each in the thread
-  pool of the tier it reads from) within stretches of the batch whose writes fit in
+  pool of the tier it reads from; small blocks moved between host-memory tiers run in
+  the caller's thread, where a hand-off would cost more than the move) within stretches of the batch whose writes fit in
   their destinations whatever the interleaving, so a promote that the batch makes room
   for never races the demote that makes it.
 - ``apply_one(decision) -> Outcome``: one decision, synchronously.
 - ``sync()``: group commit, one journal fsync for everything handled so far (``apply``
-  does it per batch; a caller of ``apply_one`` does it before acknowledging).
+  does it per batch unless ``sync_each_apply`` is off, as serve's executor sink sets
+  it: that sink syncs at each flush, before anything is acknowledged; a caller of
+  ``apply_one`` does it before acknowledging).
 - ``read(block) -> Buffer | None``: from the fastest tier holding it; a corrupt copy
   is quarantined and reported as a miss (None), never served.
 - ``write(block, data, tier)``: store a new block (KV an engine just computed);
@@ -44,7 +47,6 @@ from __future__ import annotations
 import logging
 import threading
 import time
-import zlib
 from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor, wait
@@ -55,6 +57,7 @@ from typing import Any
 from executor import protocol
 from executor.bandwidth import TokenBucket
 from executor.block_ids import BlockId, block_key
+from executor.crc import checksum
 from executor.decision import Decision
 from executor.journal import Journal
 from executor.names import TIER_RANK
@@ -72,6 +75,9 @@ from executor.tier import (
 log = logging.getLogger(__name__)
 
 _NUM_LOCK_STRIPES = 1024
+_INLINE_MAX_BYTES = 1 << 20
+"""Moves of blocks up to this size between host-memory tiers run in the caller's
+thread; larger ones (a CRC pass of many MB) go to the tier's pool, in parallel."""
 
 
 def wall_clock_ms() -> float:
@@ -166,12 +172,20 @@ class Executor(protocol.Executor):
         self._order: list[str] = names
         self._tiers: dict[str, Tier] = {t.name: t for t in tiers}
         self._clock_ms = clock_ms
+        self._zeros: dict[int, tuple[bytes, int]] = {}
+        self.sync_each_apply = True
+        """With group commit, ``apply`` ends with a journal fsync. A caller that calls
+        ``sync()`` itself before acknowledging anything (serve's executor sink, at each
+        flush before the source's offsets commit) sets this False: one fsync per flush
+        instead of per batch. A power loss can then lose the decisions since the last
+        ``sync()``; none was acknowledged, so they are redelivered."""
         self._pools = {
             t.name: ThreadPoolExecutor(
                 t.params.num_io_threads, thread_name_prefix=f"kvwarm-{t.name}"
             )
             for t in tiers
         }
+        self._inline_tiers = {t.name for t in tiers if not t.blocking_io}
         self._stripes = [threading.RLock() for _ in range(_NUM_LOCK_STRIPES)]
         self._index_lock = threading.Lock()
         self._where: dict[str, str] = {}
@@ -272,8 +286,10 @@ class Executor(protocol.Executor):
     def write(self, block: BlockId, data: Buffer, tier: str) -> Outcome:
         """Store a new or recomputed block in ``tier`` (refused when it has no room);
         an older copy elsewhere is discarded after the write commits."""
-        key = block_key(block)
-        size = memoryview(data).nbytes
+        return self._write(block_key(block), block, data, tier, None)
+
+    def _write(self, key: str, block: BlockId, data: Buffer, tier: str, crc: int | None) -> Outcome:
+        size = data.nbytes if isinstance(data, memoryview) else len(data)
         start = time.perf_counter()
         with self._lock_for(key):
             target = self._tiers[tier]
@@ -283,7 +299,7 @@ class Executor(protocol.Executor):
                     "write", "refused_full", f"no room in {tier}", block, old, tier, start
                 )
             try:
-                target.write(key, data)
+                target.write(key, data, checksum=crc)
             except TierFullError as exc:
                 return self._outcome("write", "refused_full", str(exc), block, old, tier, start)
             except (OSError, TierError) as exc:
@@ -297,8 +313,16 @@ class Executor(protocol.Executor):
 
     def store(self, block: BlockId, tier: str, size_bytes: int) -> Outcome:
         """``write`` a zero payload of ``size_bytes``: an engine stand-in storing the KV
-        it just computed (``serve --executor local:``)."""
-        return self.write(block, bytes(size_bytes), tier)
+        it just computed (``serve --executor local:``). The payload is one shared
+        immutable zero buffer per size, its CRC32C computed once: no allocation, page
+        faults or checksum pass per store."""
+        zeros = self._zeros.get(size_bytes)
+        if zeros is None:
+            if len(self._zeros) >= 4:
+                self._zeros.clear()
+            payload = bytes(size_bytes)
+            zeros = self._zeros[size_bytes] = (payload, checksum(payload))
+        return self._write(block_key(block), block, zeros[0], tier, zeros[1])
 
     # -- decisions --------------------------------------------------------------------
     def apply(self, decisions: Sequence[Decision]) -> list[Outcome]:
@@ -310,16 +334,18 @@ class Executor(protocol.Executor):
         So a promote never runs before the demote the batch put ahead of it to make
         its room."""
         items = list(decisions)
+        keys = [block_key(d.block_hash) for d in items]
         outcomes: list[Outcome | None] = [None] * len(items)
         num_done = [0]
         started = time.perf_counter()
         start = 0
         while start < len(items):
-            end = self._fitting_stretch(items, start)
-            self._apply_parallel(items, range(start, end), outcomes, num_done, started)
+            end = self._fitting_stretch(items, keys, start)
+            self._apply_parallel(items, keys, range(start, end), outcomes, num_done, started)
             start = end
-        # Group commit: one journal fsync for the whole batch.
-        self.journal.sync()
+        if self.sync_each_apply:
+            # Group commit: one journal fsync for the whole batch.
+            self.journal.sync()
         return [o for o in outcomes if o is not None]
 
     def sync(self) -> None:
@@ -328,7 +354,7 @@ class Executor(protocol.Executor):
         ``group_commit`` call it before acknowledging what they applied."""
         self.journal.sync()
 
-    def _fitting_stretch(self, items: list[Decision], start: int) -> int:
+    def _fitting_stretch(self, items: list[Decision], keys: list[str], start: int) -> int:
         """End (exclusive) of the longest stretch from ``start`` whose moves fit in
         their destinations whatever their order; a move that does not fit now is a
         stretch of its own."""
@@ -337,8 +363,9 @@ class Executor(protocol.Executor):
         while end < len(items):
             d = items[end]
             if d.action in ("promote", "demote") and d.to_tier in free:
-                where = self._where.get(block_key(d.block_hash))
-                size = (self._tiers[where].size_of(d.block_hash) or 0) if where else 0
+                key = keys[end]
+                where = self._where.get(key)
+                size = (self._tiers[where].size_of(key) or 0) if where else 0
                 if free[d.to_tier] < size:
                     # Alone, so that it is refused before what follows makes room.
                     return end if end > start else end + 1
@@ -349,6 +376,7 @@ class Executor(protocol.Executor):
     def _apply_parallel(
         self,
         items: list[Decision],
+        keys: list[str],
         span: range,
         outcomes: list[Outcome | None],
         num_done: list[int],
@@ -356,22 +384,57 @@ class Executor(protocol.Executor):
     ) -> None:
         groups: dict[str, list[int]] = {}
         for i in span:
-            groups.setdefault(block_key(items[i].block_hash), []).append(i)
+            groups.setdefault(keys[i], []).append(i)
 
         def run(indexes: list[int]) -> None:
             for i in indexes:
-                outcomes[i] = self.apply_one(items[i])
+                outcomes[i] = self._apply_one(items[i], keys[i])
                 num_done[0] += 1  # read only for progress: an approximate count is fine
 
         futures: list[Future[None]] = []
+        inline: list[list[int]] = []
         for key, indexes in groups.items():
             first = items[indexes[0]]
-            pool_tier = first.from_tier or self._where.get(key) or first.to_tier or self._order[0]
+            where = self._where.get(key)
+            if self._runs_inline(key, where, items, indexes):
+                inline.append(indexes)
+                continue
+            pool_tier = first.from_tier or where or first.to_tier or self._order[0]
             pool = self._pools.get(pool_tier) or self._pools[self._order[0]]
             futures.append(pool.submit(run, indexes))
-        self._wait_with_progress(futures, num_done, len(items), started)
+        try:
+            # Moves within host memory: here, while the pools do the I/O-bound ones.
+            interval_s = self.params.progress_interval_s
+            next_log = time.perf_counter() + interval_s
+            for indexes in inline:
+                run(indexes)
+                if interval_s and time.perf_counter() >= next_log:
+                    self._log_progress(num_done[0], len(items), started)
+                    next_log += interval_s
+        finally:
+            self._wait_with_progress(futures, num_done, len(items), started)
         for future in futures:
             future.result()
+
+    def _runs_inline(
+        self, key: str, where: str | None, items: list[Decision], indexes: list[int]
+    ) -> bool:
+        """Whether a block's decisions run in the caller's thread: every tier they
+        touch holds blocks in host memory (``Tier.blocking_io`` False) and the block is
+        small, so a move costs less than a hand-off to a thread (a skip, e.g. of a block
+        that is not cached, touches nothing)."""
+        cheap = self._inline_tiers
+        if where is not None and (
+            where not in cheap or (self._tiers[where].size_of(key) or 0) > _INLINE_MAX_BYTES
+        ):
+            return False
+        for i in indexes:
+            d = items[i]
+            if (d.to_tier is not None and d.to_tier not in cheap) or (
+                d.from_tier is not None and d.from_tier not in cheap
+            ):
+                return False
+        return True
 
     def _wait_with_progress(
         self, futures: list[Future[None]], num_done: list[int], total: int, started: float
@@ -384,16 +447,23 @@ class Executor(protocol.Executor):
             _, pending = wait(futures, timeout=interval_s)
             if not pending:
                 return
-            elapsed_s = time.perf_counter() - started
-            log.info(
-                "executor: %d of %d decisions applied in %.0f s (%.0f/s)",
-                num_done[0],
-                total,
-                elapsed_s,
-                num_done[0] / elapsed_s,
-            )
+            self._log_progress(num_done[0], total, started)
+
+    @staticmethod
+    def _log_progress(num_done: int, total: int, started: float) -> None:
+        elapsed_s = time.perf_counter() - started
+        log.info(
+            "executor: %d of %d decisions applied in %.0f s (%.0f/s)",
+            num_done,
+            total,
+            elapsed_s,
+            num_done / elapsed_s,
+        )
 
     def apply_one(self, decision: Decision) -> Outcome:
+        return self._apply_one(decision, block_key(decision.block_hash))
+
+    def _apply_one(self, decision: Decision, key: str) -> Outcome:
         did = decision.decision_id
         start = time.perf_counter()
         with self._ids_lock:
@@ -404,10 +474,10 @@ class Executor(protocol.Executor):
             out = self._outcome(
                 did, "duplicate", "duplicate decision id", decision.block_hash, None, None, start
             )
-            self._count(num_skipped=1)
+            self._count_outcome("skipped")
             return out
         try:
-            out = self._apply(decision, start)
+            out = self._apply(decision, key, start)
         except Exception as exc:  # an I/O error must not take the batch down
             out = self._outcome(
                 did,
@@ -423,17 +493,15 @@ class Executor(protocol.Executor):
                 self._inflight_ids.discard(did)
         if out.status != "failed":
             self.journal.decision_done(did, out.status)
-        kind = out.status if out.status in ("applied", "failed") else "skipped"
-        self._count(**{f"num_{kind}": 1})
+        self._count_outcome(out.status if out.status in ("applied", "failed") else "skipped")
         return out
 
-    def _apply(self, d: Decision, start: float) -> Outcome:
+    def _apply(self, d: Decision, key: str, start: float) -> Outcome:
         did, block = d.decision_id, d.block_hash
         if d.deadline_ms is not None and self._clock_ms() > d.deadline_ms:
             return self._outcome(
                 did, "expired", "deadline passed", block, d.from_tier, d.to_tier, start
             )
-        key = block_key(block)
         with self._lock_for(key):
             where = self._where.get(key)
 
@@ -537,7 +605,8 @@ class Executor(protocol.Executor):
 
     # -- index ------------------------------------------------------------------------
     def _lock_for(self, key: str) -> threading.RLock:
-        return self._stripes[zlib.crc32(key.encode()) % _NUM_LOCK_STRIPES]
+        # str hashes are cached in the string and fixed for the process: all a stripe needs.
+        return self._stripes[hash(key) % _NUM_LOCK_STRIPES]
 
     def _index(self, key: str, tier: str, old: str | None = None) -> None:
         with self._index_lock:
@@ -562,6 +631,17 @@ class Executor(protocol.Executor):
         with self._stats_lock:
             for name, delta in deltas.items():
                 setattr(self._stats, name, getattr(self._stats, name) + delta)
+
+    def _count_outcome(self, kind: str) -> None:
+        """One decision "applied", "failed" or "skipped" (the per-decision ``_count``)."""
+        with self._stats_lock:
+            s = self._stats
+            if kind == "applied":
+                s.num_applied += 1
+            elif kind == "failed":
+                s.num_failed += 1
+            else:
+                s.num_skipped += 1
 
     def _outcome(
         self,

@@ -31,9 +31,11 @@ import stat
 import threading
 import time
 from collections import OrderedDict
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
+
+from executor.names import TIER_NAMES
+from executor.protocol import OUTCOME_STATUSES
 
 log = logging.getLogger(__name__)
 
@@ -72,13 +74,19 @@ def _check_record(record: Any) -> str | None:
 
 def _q(text: str) -> str:
     """``text`` as a JSON string literal (ids are usually plain ASCII: no escaping)."""
+    quoted = _QUOTED.get(text)
+    if quoted is not None:
+        return quoted
     if text.isascii() and text.isprintable() and '"' not in text and "\\" not in text:
         return f'"{text}"'
     return json.dumps(text)
 
 
-@dataclass(frozen=True)
-class PendingMove:
+_QUOTED = {name: f'"{name}"' for name in (*TIER_NAMES, *OUTCOME_STATUSES, "done")}
+"""Tier names and statuses (in most records) quoted once."""
+
+
+class PendingMove(NamedTuple):
     move_id: str
     key: str
     src: str
@@ -184,29 +192,31 @@ class Journal:
                 self.pins.discard(record["p"])
 
     def _remember(self, decision_id: str) -> None:
-        self._done[decision_id] = None
-        self._done.move_to_end(decision_id)
-        while len(self._done) > self.max_ids:
-            self._done.popitem(last=False)
+        done = self._done
+        if decision_id in done:
+            done.move_to_end(decision_id)
+            return
+        done[decision_id] = None
+        while len(done) > self.max_ids:
+            done.popitem(last=False)
 
-    def _append(self, record: dict[str, Any], line: bytes) -> None:
-        """Apply ``record`` in memory and append ``line`` (its encoding) to the file.
-        The write reaches the kernel before this returns, so a killed process loses no
-        record; the fsync (power loss) is per record or, with group commit, per sync()."""
-        with self._lock:
-            self._replay(record)
-            if self._fd is None:
-                return
-            os.write(self._fd, line)
-            if self.fsync:
-                if self.group_commit:
-                    self._dirty = True
-                else:
-                    os.fsync(self._fd)
-                    self.num_fsyncs += 1
-            self._num_records += 1
-            if self._num_records >= self.compact_every:
-                self._rewrite()
+    def _write(self, line: bytes) -> None:
+        """Append ``line`` (a record already applied in memory) to the file; the caller
+        holds the lock. The write reaches the kernel before this returns, so a killed
+        process loses no record; the fsync (power loss) is per record or, with group
+        commit, per sync()."""
+        if self._fd is None:
+            return
+        os.write(self._fd, line)
+        if self.fsync:
+            if self.group_commit:
+                self._dirty = True
+            else:
+                os.fsync(self._fd)
+                self.num_fsyncs += 1
+        self._num_records += 1
+        if self._num_records >= self.compact_every:
+            self._rewrite()
 
     def sync(self) -> None:
         """Group commit: fsync the records appended since the last sync, once. Called
@@ -224,22 +234,36 @@ class Journal:
 
     # Lines are formatted by hand (ids through json.dumps for escaping): the same JSON
     # as json.dumps(record) gives, at a fraction of the cost per record.
+    # Each record is applied in memory as ``_replay`` would, then written.
     def begin_move(self, move_id: str, key: str, src: str, dst: str) -> None:
         if src == dst:
             raise ValueError(f"move {move_id}: source and destination are both {src!r}")
-        line = f'{{"b":{_q(move_id)},"k":{_q(key)},"f":{_q(src)},"t":{_q(dst)}}}\n'
-        self._append({"b": move_id, "k": key, "f": src, "t": dst}, line.encode())
+        line = f'{{"b":{_q(move_id)},"k":{_q(key)},"f":{_q(src)},"t":{_q(dst)}}}\n'.encode()
+        with self._lock:
+            self.pending[move_id] = PendingMove(move_id, key, src, dst)
+            self._write(line)
 
     def end_move(self, move_id: str) -> None:
-        self._append({"e": move_id}, f'{{"e":{_q(move_id)}}}\n'.encode())
+        line = f'{{"e":{_q(move_id)}}}\n'.encode()
+        with self._lock:
+            self.pending.pop(move_id, None)
+            self._write(line)
 
     def decision_done(self, decision_id: str, status: str) -> None:
-        line = f'{{"d":{_q(decision_id)},"s":{_q(status)}}}\n'
-        self._append({"d": decision_id, "s": status}, line.encode())
+        line = f'{{"d":{_q(decision_id)},"s":{_q(status)}}}\n'.encode()
+        with self._lock:
+            self.pending.pop(decision_id, None)
+            self._remember(decision_id)
+            self._write(line)
 
     def set_pin(self, key: str, pinned: bool) -> None:
-        line = f'{{"p":{_q(key)},"on":{"true" if pinned else "false"}}}\n'
-        self._append({"p": key, "on": pinned}, line.encode())
+        line = f'{{"p":{_q(key)},"on":{"true" if pinned else "false"}}}\n'.encode()
+        with self._lock:
+            if pinned:
+                self.pins.add(key)
+            else:
+                self.pins.discard(key)
+            self._write(line)
 
     # -- maintenance ----------------------------------------------------------------
     def compact(self, drop_pending: bool = False) -> None:

@@ -120,6 +120,11 @@ class Tier(ABC):
     Params: ClassVar[type[TierParams]] = TierParams
     durable: ClassVar[bool] = False
     """True when blocks survive a process restart (directory tiers)."""
+    blocking_io: bool = True
+    """True when reads and writes wait on a device (disk, network, GPU copies): the
+    executor runs such moves in the tier's thread pool, in parallel. False (host
+    memory): a move of a small block costs less than handing it to a thread, so the
+    executor runs it in the caller's thread."""
 
     def __init__(self, name: str, params: TierParams) -> None:
         self.name = check_tier_name(name)
@@ -154,10 +159,10 @@ class Tier(ABC):
             return max(0, self.capacity_bytes - self._used_bytes - self._reserved_bytes)
 
     def contains(self, block_id: BlockId) -> bool:
-        return block_key(block_id) in self._sizes
+        return self._key(block_id) in self._sizes
 
     def size_of(self, block_id: BlockId) -> int | None:
-        return self._sizes.get(block_key(block_id))
+        return self._sizes.get(self._key(block_id))
 
     def block_keys(self) -> list[str]:
         """Keys of committed blocks (a snapshot)."""
@@ -168,7 +173,7 @@ class Tier(ABC):
         return self.read_with_checksum(block_id)[0]
 
     def read_with_checksum(self, block_id: BlockId) -> tuple[Buffer, int]:
-        key = block_key(block_id)
+        key = self._key(block_id)
         if key not in self._sizes:
             raise BlockNotFoundError(self.name, key)
         return self._read(key)
@@ -177,7 +182,7 @@ class Tier(ABC):
         """Store ``data`` atomically. ``checksum``: the payload's CRC32C when the caller
         already has it (a move); it is written as the block's checksum, so a wrong
         value makes the block read as corrupt, never silently wrong."""
-        key = block_key(block_id)
+        key = self._key(block_id)
         size = len(data) if not isinstance(data, memoryview) else data.nbytes
         with self._lock:
             old = self._sizes.get(key, 0)
@@ -197,7 +202,7 @@ class Tier(ABC):
                     self._sizes[key] = size
 
     def discard(self, block_id: BlockId) -> bool:
-        key = block_key(block_id)
+        key = self._key(block_id)
         with self._lock:
             size = self._sizes.pop(key, None)
             if size is None:
@@ -217,6 +222,14 @@ class Tier(ABC):
         return f"{type(self).__name__}({self.name!r}, {self.params!r})"
 
     # -- for subclasses ---------------------------------------------------------
+    def _key(self, block_id: BlockId) -> str:
+        """``block_key(block_id)``; a key this tier holds was checked when it came in
+        (written, or found by ``recover``), so the executor's calls with keys skip the
+        check."""
+        if type(block_id) is str and block_id in self._sizes:
+            return block_id
+        return block_key(block_id)
+
     def _quarantine_index(self, key: str) -> None:
         """Drop a corrupt ``key`` from the index and record it in ``quarantined``."""
         with self._lock:

@@ -331,6 +331,10 @@ class ExecutorSink:
     def __init__(self, executor: Executor, *, block_size_bytes: int = 1) -> None:
         self.executor = executor
         self.block_size_bytes = block_size_bytes
+        if getattr(executor, "sync_each_apply", False):
+            # ``flush`` syncs before anything is acknowledged: the bundled executor's
+            # fsync after every apply would be one per batch instead of one per flush.
+            executor.sync_each_apply = False  # type: ignore[attr-defined]
         self.outcomes: Counter[tuple[str, str]] = Counter()
         """(action, status) -> count; action "store" counts engine stores. Statuses are
         ``executor.protocol.OUTCOME_STATUSES``: a bounded label set."""

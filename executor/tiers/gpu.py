@@ -57,6 +57,7 @@ class GpuTier(Tier):
                 "GpuTier device='cuda' but torch sees no CUDA device; use device='auto' or 'simulated'"
             )
         self.on_cuda = self._torch is not None
+        self.blocking_io = self.on_cuda  # simulated: host memory, as a memory tier
         self._device = f"cuda:{params.cuda_device_index}" if self.on_cuda else "cpu"
         self._blocks: dict[str, tuple[Any, int]] = {}
 

@@ -26,6 +26,7 @@ def _readonly(data: Buffer) -> bool:
 class MemoryTier(Tier):
     Params = MemoryTierParams
     params: MemoryTierParams
+    blocking_io = False
 
     def __init__(self, name: str, params: MemoryTierParams) -> None:
         super().__init__(name, params)
