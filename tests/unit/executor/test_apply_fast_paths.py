@@ -89,3 +89,24 @@ def test_stores_share_one_verified_zero_payload(tmp_path: Path) -> None:
         assert bytes(ex.read(block) or b"x") == bytes(5000)
     assert ex.tier("hbm").read(1) is ex.tier("dram").read(2)
     ex.close()
+
+
+def test_a_large_discarded_block_leaves_its_name_at_once_and_its_file_by_close(
+    tmp_path: Path,
+) -> None:
+    tier = DirectoryTier("nvme", DirectoryTierParams(capacity_bytes=1 << 24, root=tmp_path))
+    big = bytes(range(256)) * (4 << 12)  # 4 MiB: unlinked in the background
+    tier.write(1, big)
+    tier.write(2, b"small")
+    assert tier.discard(1) and tier.discard(2)
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".quarantine", ".tmp"]
+    assert not tier.contains(1) and tier.used_bytes == 0
+    tier.write(1, b"again")  # the name is free for a new copy at once
+    tier.close()
+    assert list((tmp_path / ".tmp").iterdir()) == []
+    # One left behind by a crash before its unlink is a temp file: recover removes it.
+    (tmp_path / ".tmp" / "0000000000000003.abc.discarded").write_bytes(b"x" * 100)
+    reopened = DirectoryTier("nvme", DirectoryTierParams(capacity_bytes=1 << 24, root=tmp_path))
+    assert reopened.recover().num_temp_files_removed == 1
+    assert reopened.block_keys() == ["0000000000000001"]
+    reopened.close()
