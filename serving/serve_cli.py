@@ -25,6 +25,7 @@ shows in ``kvwarm_lag_seconds`` and ``kvwarm_source_backlog_events``.
 from __future__ import annotations
 
 import faulthandler
+import json
 import logging
 import os
 import signal
@@ -68,7 +69,7 @@ from serving.request_intake import (
     IntakeSource,
     RequestIntake,
 )
-from serving.settings import Endpoint, SidecarSettings, load_settings
+from serving.settings import Endpoint, SidecarSettings, load_settings, mask_credentials
 from serving.shards import ShardedState
 from serving.sources import EventSource, FileSource, ReportsReadiness
 
@@ -808,8 +809,8 @@ def serve(
         raise click.UsageError(_validation_message(exc)) from None
     except ValueError as exc:
         raise click.UsageError(str(exc)) from None
-    if print_settings:  # secrets print as '**********'
-        click.echo(settings.model_dump_json(indent=2))
+    if print_settings:  # secrets print as '**********', URI credentials as '***@'
+        click.echo(json.dumps(mask_credentials(settings.model_dump(mode="json")), indent=2))
         return
     # Signals first: a SIGTERM while the model loads or the broker connects must count.
     stop_requested = threading.Event()

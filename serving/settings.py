@@ -103,6 +103,18 @@ class SettingsError(ValueError):
     """A setting is malformed; the message names it and lists the valid forms."""
 
 
+def mask_credentials(value: Any) -> Any:
+    """``value`` (a settings dump: strings, lists, dicts) with the ``user:password@`` of
+    every URI replaced by ``***@``, so settings can be printed or logged."""
+    if isinstance(value, str):
+        return re.sub(r"(://)[^/@\s]+@", r"\1***@", value)
+    if isinstance(value, list):
+        return [mask_credentials(v) for v in value]
+    if isinstance(value, dict):
+        return {k: mask_credentials(v) for k, v in value.items()}
+    return value
+
+
 @dataclass(frozen=True)
 class Endpoint:
     """A parsed endpoint spec: ``scheme`` plus either a Kafka address and topic or a path."""

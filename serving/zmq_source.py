@@ -64,6 +64,13 @@ between publishing steps (a 100 ms idle poll), so a second is generous."""
 
 _SEQ_FRAME_BYTES = (8, 24)  # 8: seq; 24: seq + 16-byte publisher id (newer vLLM)
 
+MAX_SEQ_JUMP = 1_000_000
+"""A batch numbered further than this ahead of the last one is held, not trusted: one
+absurd sequence number (a corrupt frame) would otherwise make every later batch look
+like an engine restart and wipe that engine's residency. The jump is accepted when the
+next batch follows on from the held one (a real long outage); otherwise the held
+batch is dropped and counted as ``bad_frames["seq_jump"]``."""
+
 
 class ZmqUrlError(ValueError):
     """A ``zmq://`` source URL cannot be parsed; the message shows the accepted form."""
@@ -193,6 +200,9 @@ class EngineStreamStats:
     num_replayed: int = 0
     num_unfilled: int = 0
     num_restarts: int = 0
+    held: tuple[int, bytes] | None = None
+    """A batch that jumped more than ``MAX_SEQ_JUMP`` ahead, until the next one says
+    whether the jump was real."""
 
     def as_dict(self) -> dict[str, Any]:
         return {
@@ -327,11 +337,35 @@ class ZmqSubscriber:
             return []
         stream = self.streams[engine.engine_id]
         publisher_id = seq_frame[8:] or None
-        restart = stream.last_seq is not None and (
-            seq <= stream.last_seq
-            or (publisher_id is not None and stream.publisher_id not in (None, publisher_id))
+        new_publisher = publisher_id is not None and stream.publisher_id not in (
+            None,
+            publisher_id,
         )
         out: list[EngineBatch] = []
+        held, stream.held = stream.held, None
+        if held is not None and seq == held[0] + 1 and not new_publisher:
+            # The batch after a held far jump follows on from it: the jump was real.
+            assert stream.last_seq is not None
+            stream.num_gaps += 1
+            stream.num_unfilled += held[0] - stream.last_seq - 1
+            logger.warning(
+                "engine %s: sequence jumped from %d to %d; the batches between are lost",
+                engine.engine_id,
+                stream.last_seq,
+                held[0],
+            )
+            out.append(EngineBatch(engine.engine_id, held[0], held[1]))
+            stream.last_seq = held[0]
+        elif held is not None:
+            self.bad_frames["seq_jump"] += 1
+        if (
+            stream.last_seq is not None
+            and seq > stream.last_seq + MAX_SEQ_JUMP
+            and not new_publisher
+        ):
+            stream.held = (seq, payload)
+            return out
+        restart = stream.last_seq is not None and (seq <= stream.last_seq or new_publisher)
         if restart:
             stream.num_restarts += 1
             logger.warning(
@@ -349,8 +383,8 @@ class ZmqSubscriber:
         if restart:
             first = out[0]
             out[0] = EngineBatch(first.engine_id, first.seq, first.payload, first.replayed, True)
-        stream.last_seq = seq
         stream.num_batches += len(out)
+        stream.last_seq = seq
         return out
 
     def _replay_socket(self, engine: EngineEndpoint) -> zmq.Socket[bytes]:

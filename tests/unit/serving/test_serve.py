@@ -191,13 +191,19 @@ def test_the_trace_is_read_once_through(tmp_path):
 def test_print_settings_shows_effective_values_and_hides_secrets():
     proc = _serve(
         ["--print-settings", "--source", "file:events.jsonl"],
-        {"KVWARM_MLFLOW_TRACKING_TOKEN": "s3cret", "KVWARM_BATCH_SIZE": "17"},
+        {
+            "KVWARM_MLFLOW_TRACKING_TOKEN": "s3cret",
+            "KVWARM_MLFLOW_TRACKING_URI": "https://alice:pa55w0rd@mlflow.example:5000/",
+            "KVWARM_BATCH_SIZE": "17",
+        },
     )
     stdout, stderr = proc.communicate(timeout=60)
     assert proc.returncode == 0, stderr.decode()
     shown = json.loads(stdout)
     assert shown["source"] == "file:events.jsonl" and shown["batch_size"] == 17
     assert "s3cret" not in stdout.decode() and shown["mlflow_tracking_token"] == "**********"
+    assert "pa55w0rd" not in stdout.decode()
+    assert shown["mlflow_tracking_uri"] == "https://***@mlflow.example:5000/"
 
 
 def test_engine_residency_over_zmq_is_mirrored_by_the_sidecar():

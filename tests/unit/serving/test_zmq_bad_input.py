@@ -160,3 +160,46 @@ def test_decoder_raises_only_validation_errors(ts, events, noise):
     for candidate in (payload, payload[: len(payload) // 2], noise + payload):
         with contextlib.suppress(EventValidationError):  # anything else fails the test
             decode_kv_event_batch(candidate)
+
+
+def _frames(seq: int, payload: bytes = b"p") -> list[bytes]:
+    return [b"", seq.to_bytes(8, "big"), payload]
+
+
+def test_one_absurd_sequence_number_is_dropped_and_does_not_reset_residency():
+    """A corrupt frame numbered 2**62 used to make every later batch look like an engine
+    restart (residency wiped); now it is held, dropped when the next batch does not
+    follow on from it, and counted."""
+    from serving.zmq_source import EngineEndpoint, ZmqSubscriber
+
+    engine = EngineEndpoint("e0", "tcp://127.0.0.1:1")  # never connected: frames fed directly
+    sub = ZmqSubscriber([engine])
+    try:
+        got = []
+        for seq in (1, 2, 3, 1 << 62, 4, 5):
+            got += sub._accept(engine, _frames(seq))
+        stream = sub.streams["e0"]
+        assert [b.seq for b in got] == [1, 2, 3, 4, 5]
+        assert not any(b.restart for b in got) and stream.num_restarts == 0
+        assert sub.bad_frames["seq_jump"] == 1
+    finally:
+        sub.close()
+
+
+def test_a_real_long_jump_is_accepted_once_the_next_batch_follows_on():
+    from serving.zmq_source import MAX_SEQ_JUMP, EngineEndpoint, ZmqSubscriber
+
+    engine = EngineEndpoint("e0", "tcp://127.0.0.1:1")
+    sub = ZmqSubscriber([engine])
+    far = 3 + 5 * MAX_SEQ_JUMP
+    try:
+        got = []
+        for seq in (1, 2, 3, far, far + 1, far + 2):
+            got += sub._accept(engine, _frames(seq, str(seq).encode()))
+        stream = sub.streams["e0"]
+        assert [b.seq for b in got] == [1, 2, 3, far, far + 1, far + 2]
+        assert [b.payload for b in got][3] == str(far).encode()  # the held batch is kept
+        assert stream.num_restarts == 0 and sub.bad_frames["seq_jump"] == 0
+        assert stream.num_unfilled == far - 4 and stream.num_batches == 6
+    finally:
+        sub.close()
