@@ -21,7 +21,8 @@ whose CRC matches; a save cut short leaves chunks without a head, which are igno
 and the previous generation is still whole. Keys are per state owner (e.g. one per
 consumer-group partition), so sidecars of one group never write the same key.
 
-Not wired into the sidecar loop yet: see the module's users (none by default).
+Used by ``serve --state-topic`` (``serving.shards``): one key per consumer-group
+partition, holding that partition's state (``serving.checkpoint``) and position.
 """
 
 from __future__ import annotations
