@@ -288,11 +288,13 @@ class ShardedState:
         those resumed from a kept shard or a snapshot (others: the committed offset)."""
         seek: dict[str, tuple[int, int]] = {}
         kept, self._kept = self._kept, {}
+        keys = list(keys)
+        trees = self.store.load_many([k for k in keys if k not in kept])
         for key in keys:
             if key in kept:  # revoked and given back in one rebalance
                 self.shards[key], seek[key] = kept[key]
                 continue
-            tree = self.store.load(key)
+            tree = trees[key]
             if tree is None:
                 self.stats.restore_misses += 1
                 log.info("partition %s: no snapshot, starting empty at the committed offset", key)

@@ -191,20 +191,32 @@ class StateStore:
 
     def load(self, key: str) -> Any | None:
         """The newest complete snapshot under ``key``, or None when there is none."""
-        heads: list[dict[str, int]] = []
+        return self.load_many([key])[key]
+
+    def load_many(self, keys: Iterable[str]) -> dict[str, Any | None]:
+        """``load`` for several keys with one pass over the changelog (a sidecar given
+        several partitions reads the topic once, not once per partition)."""
+        wanted = {key.encode(): key for key in keys}
+        heads: dict[str, list[dict[str, int]]] = {key: [] for key in wanted.values()}
         chunks: dict[bytes, bytes] = {}
-        prefix = f"{key}{_SEP}".encode()
+        sep = _SEP.encode()
         for record_key, value in self.changelog.replay():
-            if record_key == key.encode():
+            key = wanted.get(record_key)
+            if key is not None:
                 if value is None:  # the key was deleted
-                    heads.clear()
+                    heads[key].clear()
                 elif (head := _parse_head(value)) is not None:
-                    heads.append(head)
-            elif record_key.startswith(prefix):
+                    heads[key].append(head)
+            elif record_key.split(sep, 1)[0] in wanted:
                 if value is None:
                     chunks.pop(record_key, None)
                 else:
                     chunks[record_key] = value
+        return {key: self._newest(key, heads[key], chunks) for key in heads}
+
+    def _newest(
+        self, key: str, heads: list[dict[str, int]], chunks: dict[bytes, bytes]
+    ) -> Any | None:
         for head in reversed(heads):  # newest first; an incomplete one falls back
             if head["len"] > MAX_SNAPSHOT_BYTES or head["n"] > MAX_SNAPSHOT_BYTES:
                 continue
