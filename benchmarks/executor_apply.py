@@ -150,6 +150,14 @@ def _head(trace: Path, n: int, dst: Path) -> Path:
 )
 @click.option("--block-size-bytes", default=65536, show_default=True, type=click.IntRange(1))
 @click.option(
+    "--dir",
+    "workdir",
+    type=click.Path(file_okay=False, path_type=Path),
+    default=None,
+    help="Where the executor's tiers and journal go (default: the system temp dir). Put "
+    "it on the disk to measure: creating files in some temp dirs is much slower.",
+)
+@click.option(
     "--repeats",
     default=3,
     show_default=True,
@@ -168,6 +176,7 @@ def bench_executor_apply(
     baseline_events: int,
     config: Path,
     block_size_bytes: int,
+    workdir: Path | None,
     repeats: int,
     target_batch_latency_ms: float,
 ) -> None:
@@ -176,7 +185,9 @@ def bench_executor_apply(
     trace = shared_trace_path()
     if trace is None:
         raise click.ClickException("the shared trace is missing (set KVWARM_SHARED_TRACE)")
-    work = Path(tempfile.mkdtemp(prefix="kvwarm-bench-apply-"))
+    if workdir is not None:
+        workdir.mkdir(parents=True, exist_ok=True)
+    work = Path(tempfile.mkdtemp(prefix="kvwarm-bench-apply-", dir=workdir))
     try:
         runs: dict[str, list[dict[str, Any]]] = {}
         modes = [
@@ -213,8 +224,9 @@ def bench_executor_apply(
         "(emit + flush); store s: time in the stores, apart."
     )
     click.echo(
-        f"local executor from {config.name}, {block_size_bytes} B blocks, batch target "
-        f"{target_batch_latency_ms:g} ms; median of {repeats} runs per mode, taken in turn"
+        f"local executor from {config.name} in {work.parent}, {block_size_bytes} B blocks, "
+        f"batch target {target_batch_latency_ms:g} ms; median of {repeats} runs per mode, "
+        "taken in turn"
     )
     click.echo(
         f"{'journal fsync':>13} {'events':>7} {'decisions':>10} {'stores':>7} {'fsyncs':>7} {'wall s':>7} "
