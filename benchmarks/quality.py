@@ -19,6 +19,13 @@ policy: the worst hit-ratio difference to exact LRU over every workload and capa
 the best peer at every capacity. The leak check (no online policy above Belady with
 bypass) runs on every row; a violation fails the command.
 
+With ``--tiered``, every workload is also replayed through the tiered simulation at
+the same fractions of HBM (open loop at the replay's default load): no prewarm (LRU,
+loads at scheduling), LRU with prewarm, and every kvwarm policy with prewarm and
+speculative prefetch. The tiered summary per policy: the worst TTFT p50 ratio to LRU
+with prewarm over every workload and capacity (the safety goal: <= 1.02), and the
+settings where the policy's prediction adds to what prewarming at arrival gives.
+
 Writes ``results.json``, ``summary.md`` (the README table) and ``quality.png``.
 """
 
@@ -41,6 +48,8 @@ WORKLOADS = ("shared", *GENERATED)
 KVWARM_POLICIES = ("lru", "lfu", "prefix_lru", "lightgbm")
 LEARNED = ("lightgbm", "lstm")
 SAFETY_TOLERANCE = 0.005
+TIERED_SAFETY_RATIO = 1.02
+"""Tiered safety goal: a policy's TTFT p50 at most this times LRU with prewarm's."""
 LEAK_TOLERANCE = 1e-12
 
 
@@ -81,21 +90,97 @@ def run_workload(
     peers: bool,
     guard: bool,
     quick: bool,
+    tiered: list[dict[str, Any]] | None = None,
 ) -> list[dict[str, Any]]:
-    """Single-tier rows of the replay comparison for one workload (leak-checked)."""
+    """Single-tier rows of the replay comparison for one workload (leak-checked).
+    With ``tiered`` (a list), the tiered rows are replayed too and appended to it."""
     from training.replay_cli import make_trainer
     from training.report import ComparisonConfig, run_comparison
 
     config = ComparisonConfig(
         policies=tuple(policies),
         capacities=tuple(capacities),
-        modes=("single",),
+        modes=("single", "tiered") if tiered is not None else ("single",),
         peers=peers,
         guard=guard,
     )
     report = run_comparison(events, config, trainer=make_trainer(quick))
     leak_check(report.single)
+    if tiered is not None:
+        tiered += report.tiered
     return report.single
+
+
+def summarize_tiered(
+    results: dict[str, list[dict[str, Any]]], policies: Sequence[str]
+) -> dict[str, Any]:
+    """Per kvwarm policy other than LRU: over every workload and capacity, the worst
+    TTFT p50 ratio to LRU with prewarm (safe when <= ``TIERED_SAFETY_RATIO``) and the
+    settings where it is lower than LRU with prewarm's by more than 1%."""
+    out: dict[str, Any] = {}
+    for name in policies:
+        if name == "lru":
+            continue
+        worst: tuple[float, str] = (-math.inf, "")
+        better: list[str] = []
+        settings = 0
+        for workload, rows in results.items():
+            for cap in sorted({r["capacity"] for r in rows}):
+                at = {r["policy"]: r for r in rows if r["capacity"] == cap}
+                if name not in at or "lru" not in at:
+                    continue
+                base = at["lru"]["ttft_ms"]["p50"]
+                ratio = at[name]["ttft_ms"]["p50"] / base if base else float("nan")
+                settings += 1
+                where = f"{workload} @ {cap * 100:g}%"
+                if np.isfinite(ratio) and ratio > worst[0]:
+                    worst = (ratio, where)
+                if np.isfinite(ratio) and ratio < 0.99:
+                    better.append(where)
+        out[name] = {
+            "worst_ttft_ratio_to_lru_prewarm": worst[0],
+            "worst_at": worst[1],
+            "safe": worst[0] <= TIERED_SAFETY_RATIO,
+            "better_than_lru_prewarm_at": better,
+            "num_settings": settings,
+        }
+    return out
+
+
+def markdown_tiered(results: dict[str, list[dict[str, Any]]], summary: dict[str, Any]) -> str:
+    """Tiered TTFT p50 per workload and HBM capacity: no prewarm in seconds, the rest
+    as the change against it (what prewarming adds, and what prediction adds on top)."""
+    policies = ["lru", *summary]
+    head = (
+        "| workload | HBM | no prewarm p50 | "
+        + " | ".join("LRU+prewarm" if p == "lru" else p for p in policies)
+        + " |"
+    )
+    lines = [head, "|" + "---|" * (3 + len(policies))]
+    for workload, rows in results.items():
+        for cap in sorted({r["capacity"] for r in rows}):
+            at = {r["policy"]: r for r in rows if r["capacity"] == cap}
+            if "no_prewarm" not in at:
+                continue
+            cells = [
+                f"{at[p]['ttft_p50_change'] * 100:+.1f}%" if p in at else "-" for p in policies
+            ]
+            lines.append(
+                f"| {workload} | {cap * 100:g}% | {at['no_prewarm']['ttft_ms']['p50'] / 1000:.2f} s | "
+                + " | ".join(cells)
+                + " |"
+            )
+    lines += [
+        "",
+        "| policy | worst TTFT p50 / LRU+prewarm (where) | lower than LRU+prewarm by >1% at |",
+        "|---|---|---|",
+    ]
+    for name, s in summary.items():
+        lines.append(
+            f"| {name} | {s['worst_ttft_ratio_to_lru_prewarm']:.3f}x ({s['worst_at']}) | "
+            f"{len(s['better_than_lru_prewarm_at'])} of {s['num_settings']} settings |"
+        )
+    return "\n".join(lines)
 
 
 def leak_check(rows: Sequence[dict[str, Any]]) -> None:
@@ -258,6 +343,12 @@ def plot(results: dict[str, list[dict[str, Any]]], policies: Sequence[str], path
 )
 @click.option("--full-fit", is_flag=True, help="Train learned policies fully (slow), not quick.")
 @click.option(
+    "--tiered",
+    is_flag=True,
+    help="Also replay every workload through the tiered simulation (TTFT p50 vs LRU with "
+    "prewarm and vs no prewarm).",
+)
+@click.option(
     "--out",
     "out_dir",
     type=click.Path(file_okay=False, path_type=Path),
@@ -274,6 +365,7 @@ def quality(
     no_peers: bool,
     guard: bool,
     full_fit: bool,
+    tiered: bool,
     out_dir: Path,
 ) -> None:
     """Replay the workload suite; print per-workload hit ratios and the summary."""
@@ -288,6 +380,7 @@ def quality(
     out_dir.mkdir(parents=True, exist_ok=True)
     started = time.perf_counter()
     results: dict[str, list[dict[str, Any]]] = {}
+    tiered_results: dict[str, list[dict[str, Any]]] = {}
     sources: dict[str, str] = {}
     for name in names:
         t0 = time.perf_counter()
@@ -306,14 +399,23 @@ def quality(
                 peers=not no_peers,
                 guard=guard,
                 quick=not full_fit,
+                tiered=tiered_results.setdefault(name, []) if tiered else None,
             )
         except LeakError as exc:
             raise click.ClickException(f"leak check failed on {name}: {exc}") from exc
         click.echo(f"[{name}] {source}: {time.perf_counter() - t0:.0f} s", err=True)
         # Kept as it goes: a long suite that is stopped still leaves what it measured.
-        (out_dir / "partial.json").write_text(json.dumps(_jsonable(results), indent=2))
+        (out_dir / "partial.json").write_text(
+            json.dumps(_jsonable({"single": results, "tiered": tiered_results}), indent=2)
+        )
     summary = summarize(results, policy_names)
     table = markdown(results, summary)
+    tiered_summary: dict[str, Any] = {}
+    if tiered:
+        tiered_summary = summarize_tiered(tiered_results, policy_names)
+        table += "\n\nTiered, TTFT p50 change against no prewarm:\n\n" + markdown_tiered(
+            tiered_results, tiered_summary
+        )
     click.echo(table)
     seconds = time.perf_counter() - started
     click.echo(f"\nleak check (no policy above Belady with bypass): ok on {len(results)} workloads")
@@ -329,10 +431,13 @@ def quality(
             "guard": guard,
             "peers": not no_peers,
             "quick_fit": not full_fit,
+            "tiered": tiered,
         },
         "sources": sources,
         "results": results,
         "summary": summary,
+        "tiered_results": tiered_results,
+        "tiered_summary": tiered_summary,
         "seconds": seconds,
     }
     (out_dir / "results.json").write_text(json.dumps(_jsonable(data), indent=2))

@@ -79,3 +79,39 @@ def test_unknown_workload_is_refused_with_the_valid_names():
 
     out = CliRunner().invoke(main, ["bench", "quality", "--workloads", "nope"])
     assert out.exit_code != 0 and "sharedprefix" in out.output
+
+
+def _tiered_row(policy: str, capacity: float, p50_ms: float, change: float) -> dict:
+    return {
+        "policy": policy,
+        "capacity": capacity,
+        "ttft_ms": {"p50": p50_ms},
+        "ttft_p50_change": change,
+    }
+
+
+def test_the_tiered_summary_finds_the_worst_ratio_to_lru_with_prewarm():
+    from benchmarks.quality import TIERED_SAFETY_RATIO, markdown_tiered, summarize_tiered
+
+    results = {
+        "chat": [
+            _tiered_row("no_prewarm", 0.05, 1000, 0.0),
+            _tiered_row("lru", 0.05, 900, -0.10),
+            _tiered_row("lightgbm", 0.05, 810, -0.19),  # 0.9x LRU+prewarm: better
+        ],
+        "scan": [
+            _tiered_row("no_prewarm", 0.05, 1000, 0.0),
+            _tiered_row("lru", 0.05, 800, -0.20),
+            _tiered_row("lightgbm", 0.05, 840, -0.16),  # 1.05x: the worst, unsafe
+        ],
+    }
+    summary = summarize_tiered(results, ("lru", "lightgbm"))
+    learned = summary["lightgbm"]
+    assert learned["worst_ttft_ratio_to_lru_prewarm"] == pytest.approx(1.05)
+    assert learned["worst_at"] == "scan @ 5%"
+    assert not learned["safe"] and TIERED_SAFETY_RATIO < 1.05
+    assert learned["better_than_lru_prewarm_at"] == ["chat @ 5%"]
+    assert learned["num_settings"] == 2 and "lru" not in summary
+    table = markdown_tiered(results, summary)
+    assert "| scan | 5% | 1.00 s | -20.0% | -16.0% |" in table
+    assert "| lightgbm | 1.050x (scan @ 5%) | 1 of 2 settings |" in table
