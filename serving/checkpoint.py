@@ -122,8 +122,10 @@ def state_fields(obj: Any) -> tuple[str, ...] | None:
     return tuple(fields) if found else None
 
 
-def capture(obj: Any) -> dict[str, Any]:
-    """The declared state of ``obj`` as a tree of plain data and arrays."""
+def capture(obj: Any, *, copy: bool = False) -> dict[str, Any]:
+    """The declared state of ``obj`` as a tree of plain data and arrays. The tree shares
+    ``obj``'s numpy arrays unless ``copy`` (needed when it is encoded later, on another
+    thread, while ``obj`` goes on changing)."""
     fields = state_fields(obj)
     if fields is None:
         raise NotCheckpointableError(
@@ -132,7 +134,7 @@ def capture(obj: Any) -> dict[str, Any]:
         )
     out: dict[str, Any] = {"~cls": type(obj).__name__}
     for name in fields:
-        out[name] = _encode(getattr(obj, name))
+        out[name] = _encode(getattr(obj, name), copy)
     return out
 
 
@@ -173,8 +175,10 @@ def _all_ints(items: Any) -> bool:
     return all(type(v) is int for v in items)
 
 
-def _encode(value: Any) -> Any:
-    if value is None or isinstance(value, (bool, float, str, bytes, np.ndarray)):
+def _encode(value: Any, copy: bool = False) -> Any:
+    if isinstance(value, np.ndarray):
+        return value.copy() if copy else value
+    if value is None or isinstance(value, (bool, float, str, bytes)):
         return value
     if type(value) is int:
         return value
@@ -183,17 +187,17 @@ def _encode(value: Any) -> Any:
     if isinstance(value, np.random.Generator):
         return {"~": "g", "s": value.bit_generator.state}
     if state_fields(value) is not None:
-        return {"~": "o", "v": capture(value)}
+        return {"~": "o", "v": capture(value, copy=copy)}
     if isinstance(value, deque):
-        return {"~": "q", "m": value.maxlen, "v": [_encode(v) for v in value]}
+        return {"~": "q", "m": value.maxlen, "v": [_encode(v, copy) for v in value]}
     if isinstance(value, tuple):
-        return {"~": "t", "v": [_encode(v) for v in value]}
+        return {"~": "t", "v": [_encode(v, copy) for v in value]}
     if isinstance(value, list):
         if value and _all_ints(value):
             array = _int_array(value, len(value))
             if array is not None:
                 return {"~": "li", "v": array}
-        return {"~": "l", "v": [_encode(v) for v in value]}
+        return {"~": "l", "v": [_encode(v, copy) for v in value]}
     if isinstance(value, dict):
         tag = "c" if isinstance(value, Counter) else "d"
         n = len(value)
@@ -204,8 +208,8 @@ def _encode(value: Any) -> Any:
                 return {"~": "ii", "k": keys, "v": values}
         return {
             "~": tag,
-            "k": [_encode(k) for k in value],
-            "v": [_encode(v) for v in value.values()],
+            "k": [_encode(k, copy) for k in value],
+            "v": [_encode(v, copy) for v in value.values()],
         }
     raise NotCheckpointableError(f"cannot checkpoint a {type(value).__name__}")
 

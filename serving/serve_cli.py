@@ -698,6 +698,8 @@ class Service:
         """Flush what is left, then release everything (safe to call twice)."""
         self._ready = False
         self.models.stop()
+        if self.shards is not None:
+            self.shards.close()
         try:
             self.sink.close()
         finally:

@@ -20,6 +20,13 @@ already handled (a message may carry several events). The sidecar checkpoints a 
 - and when its partition is revoked in a rebalance (after the last commit).
 
 Order at a commit: decisions flushed, dirty shards checkpointed, offsets committed.
+Only a shard's first snapshot must be durable before that commit (so a committed
+offset never runs ahead of every snapshot); later ones are copied in the loop (numpy
+copies, tens of ms) and encoded and written by a background thread (``background``),
+so the loop does not stall for the encoding. A later snapshot cut short by a crash
+leaves the previous one, which is older but consistent: restoring it only means more
+events are handled again. A revoke drains the background writes first, so the new
+owner reads the newest snapshot.
 On assignment the new owner loads the partition's newest snapshot, restores it into a
 fresh shard and seeks to its position; events after it are handled again, giving the
 same decision ids (the executor applies them once). A partition without a snapshot
@@ -30,6 +37,7 @@ another policy structure) is logged and the shard starts empty at the committed 
 from __future__ import annotations
 
 import logging
+import queue
 import threading
 import time
 from collections import deque
@@ -71,7 +79,8 @@ class Shard:
 class ShardStats:
     checkpoints: int = 0
     checkpoint_seconds: float = 0.0
-    checkpoint_bytes: int = 0
+    background_seconds: float = 0.0
+    background_failures: int = 0
     restores: int = 0
     restore_misses: int = 0
     restore_mismatches: int = 0
@@ -99,6 +108,7 @@ class ShardedState:
         fingerprint: dict[str, Any],
         interval_s: float = 30.0,
         clock_s: Callable[[], float] = time.monotonic,
+        background: bool = True,
     ) -> None:
         self.sidecar = sidecar
         self.decisions = decisions
@@ -116,6 +126,12 @@ class ShardedState:
         self.stats = ShardStats()
         self._kept: dict[str, tuple[Shard, tuple[int, int]]] = {}
         self._lock: threading.Lock = sidecar._lock
+        self.background = background
+        self._store_lock = threading.Lock()  # the loop and the writer thread share the store
+        self._queue: queue.Queue[tuple[str, dict[str, Any]] | None] = queue.Queue()
+        self._inflight: set[str] = set()
+        self._idle = threading.Condition()
+        self._writer: threading.Thread | None = None
 
     # -- what ModelManager.attach needs ---------------------------------------------------
     @property
@@ -200,16 +216,18 @@ class ShardedState:
             self.active = None
 
     # -- snapshots --------------------------------------------------------------------------
-    def snapshot(self, shard: Shard, position: tuple[int, int]) -> dict[str, Any]:
+    def snapshot(
+        self, shard: Shard, position: tuple[int, int], *, copy: bool = False
+    ) -> dict[str, Any]:
         if shard is self.active:
             self._stash()
         return {
             "v": SNAPSHOT_VERSION,
             "fingerprint": self.fingerprint,
             "position": list(position),
-            "policy": capture(shard.policy),
-            "planner": capture(shard.planner),
-            "placement": capture(shard.placement),
+            "policy": capture(shard.policy, copy=copy),
+            "planner": capture(shard.planner, copy=copy),
+            "placement": capture(shard.placement, copy=copy),
             "recent": [list(chain) for chain in shard.recent],
             "last_prefetch_ms": shard.last_prefetch_ms,
             "last_origin": shard.last_origin,
@@ -259,8 +277,15 @@ class ShardedState:
             )
             if not due:
                 continue
+            later = self.background and not force and shard.num_checkpoints > 0
+            if later and key in self._inflight:
+                continue  # its previous snapshot is still being written: stays dirty
             t0 = time.perf_counter()
-            self.store.save(key, self.snapshot(shard, positions[key]))
+            tree = self.snapshot(shard, positions[key], copy=later)
+            if later:
+                self._submit(key, tree)
+            else:
+                self._save(key, tree)
             self.stats.checkpoint_seconds += time.perf_counter() - t0
             self.stats.checkpoints += 1
             self.stats.by_key[key] = self.stats.by_key.get(key, 0) + 1
@@ -270,10 +295,59 @@ class ShardedState:
             saved.append(key)
         return saved
 
+    def _save(self, key: str, tree: dict[str, Any]) -> None:
+        with self._store_lock:
+            self.store.save(key, tree)
+
+    def _submit(self, key: str, tree: dict[str, Any]) -> None:
+        if self._writer is None:
+            self._writer = threading.Thread(
+                target=self._write_loop, name="kvwarm-checkpoint-writer", daemon=True
+            )
+            self._writer.start()
+        with self._idle:
+            self._inflight.add(key)
+        self._queue.put((key, tree))
+
+    def _write_loop(self) -> None:
+        while True:
+            item = self._queue.get()
+            if item is None:
+                return
+            key, tree = item
+            t0 = time.perf_counter()
+            try:
+                self._save(key, tree)
+            except Exception:  # the previous snapshot stands; the next one retries
+                self.stats.background_failures += 1
+                log.exception("checkpoint of %s not written; the previous one stands", key)
+            finally:
+                self.stats.background_seconds += time.perf_counter() - t0
+                with self._idle:
+                    self._inflight.discard(key)
+                    self._idle.notify_all()
+
+    def drain(self, timeout_s: float | None = None) -> bool:
+        """Wait until every background snapshot is written; False on timeout."""
+        with self._idle:
+            return self._idle.wait_for(lambda: not self._inflight, timeout_s)
+
+    def close(self, timeout_s: float = 10.0) -> None:
+        """Finish the background writes (at most ``timeout_s``) and stop the writer."""
+        if self._writer is None:
+            return
+        if not self.drain(timeout_s):
+            log.warning("checkpoints still being written after %.0f s; left behind", timeout_s)
+        self._queue.put(None)
+        self._writer.join(timeout=1.0)
+        self._writer = None
+
     # -- rebalances ---------------------------------------------------------------------------
     def on_revoked(self, keys: Iterable[str], positions: dict[str, tuple[int, int]]) -> None:
-        """Partitions taken away: checkpoint them where they stand, then set them
+        """Partitions taken away: checkpoint them where they stand (after the
+        background writes, so the newest snapshot is the last written), then set them
         aside (kept in memory until the assignment that follows decides)."""
+        self.drain()
         keys = [k for k in keys if k in self.shards]
         self.checkpoint({k: positions[k] for k in keys if k in positions}, force=True)
         self.deactivate()

@@ -63,6 +63,9 @@ class RunResult:
     busy_ms: float
     num_steps: int
     max_in_flight: int
+    evicted_prefix_blocks: int = 0
+    """Cached prefix blocks a request's own decisions (or the prefetch round right
+    after it) moved out of every tier before it could load them: computed instead."""
 
     @property
     def makespan_ms(self) -> float:
@@ -96,7 +99,8 @@ def run_requests(
     hits = [0] * len(executor.tier_names)
     hit_tokens = [0] * len(executor.tier_names)
     first_miss_of = [0] * n
-    totals = {"accesses": 0, "prompt": 0, "output": 0, "computed": 0, "done": 0}
+    totals = {"accesses": 0, "prompt": 0, "output": 0, "computed": 0, "done": 0,
+              "evicted_prefix": 0}  # fmt: skip
 
     def lookup(i: int) -> int:
         """What request i finds cached (before its own decisions apply): counts its
@@ -111,11 +115,25 @@ def run_requests(
             hit_tokens[t] += min(block_tokens, req.prompt_tokens - k * block_tokens)
         return cached
 
+    def still_cached(i: int, cached: int) -> int:
+        """After request i's own decisions applied: its usable prefix ends at the first
+        block they (or a prefetch round right after) moved out of every tier; the rest is
+        computed. Returns the cached prompt tokens left."""
+        blocks = requests[i].blocks
+        n = first_miss_of[i]
+        k = next((j for j in range(n) if not executor.is_cached(blocks[j])), n)
+        if k == n:
+            return cached
+        first_miss_of[i] = k
+        totals["evicted_prefix"] += n - k
+        return min(k * block_tokens, requests[i].prompt_tokens)
+
     def schedule(r: EngineRequest, now_ms: float) -> tuple[float, int]:
         i = r.key
         cached = lookup(i)
         assert release is not None
         release(i, now_ms)
+        cached = still_cached(i, cached)
         ready = executor.prefix_ready_ms(requests[i].blocks[: first_miss_of[i]], now_ms)
         return ready, cached
 
@@ -174,6 +192,7 @@ def run_requests(
         if release is None:
             cached = lookup(i)
             on_arrival(i, t)
+            cached = still_cached(i, cached)
             load_ready: float | None = executor.prefix_ready_ms(req.blocks[: first_miss_of[i]], t)
         else:
             on_arrival(i, t)
@@ -210,4 +229,5 @@ def run_requests(
         busy_ms=engine.busy_ms,
         num_steps=engine.num_steps,
         max_in_flight=max_in_flight,
+        evicted_prefix_blocks=totals["evicted_prefix"],
     )

@@ -87,3 +87,27 @@ def test_open_loop_follows_arrival_times_and_reuse_skips_prefill() -> None:
     # Only the last token is recomputed (it yields the first output token).
     assert r.ttft_ms[1] < r.ttft_ms[0] / 5
     assert r.computed_tokens == 8192 + 1
+
+
+def test_a_prefix_block_its_own_request_evicts_is_computed_not_a_crash() -> None:
+    """HBM only and a request whose decisions evict part of its own cached prefix (a
+    prompt longer than the tier): the simulation used to stop with "block ... is not
+    cached"; now the prefix ends at the first evicted block and the rest is computed."""
+    requests = _requests(2, prompt=8192)  # 16 blocks each
+    requests[1] = SimRequest(
+        arrival_ms=1000.0, blocks=requests[0].blocks, prompt_tokens=8192, output_tokens=64
+    )
+    executor = SimulatedExecutor(capacity_blocks={"hbm": 16})
+
+    def on_arrival(i: int, now_ms: float) -> None:
+        if i == 0:
+            executor.apply_batch([], stores=[(b, "hbm", now_ms) for b in requests[0].blocks])
+        else:  # its own decisions drop the last 6 blocks of the prefix it found cached
+            for b in requests[1].blocks[10:]:
+                executor.evict(b)
+
+    result = run_requests(requests, executor, on_arrival=on_arrival)
+    assert result.evicted_prefix_blocks == 6
+    assert result.ttft_ms[1] > 0
+    # 10 blocks loaded, 6 computed: more computed than a full hit, less than a miss.
+    assert 8192 < result.computed_tokens < 2 * 8192

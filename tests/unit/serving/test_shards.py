@@ -80,7 +80,7 @@ POLICIES: dict[str, Callable[[], Policy]] = {
 class World:
     """One sidecar process: loop, decision maker, shards over a changelog."""
 
-    def __init__(self, policy: Policy, store: StateStore) -> None:
+    def __init__(self, policy: Policy, store: StateStore, *, background: bool = False) -> None:
         placement = Placement(TIERS, CAPS)
         self.sidecar = Sidecar(policy, Planner(), placement, prefetch_interval_ms=500)
         self.sink = ListSink()
@@ -95,6 +95,7 @@ class World:
             planner_params=PlannerParams(),
             fingerprint={"tiers": TIERS, "caps": CAPS},
             interval_s=0,
+            background=background,
         )
 
     def handle(self, key: str, event: Event) -> None:
@@ -231,3 +232,49 @@ def test_a_snapshot_taken_with_other_tiers_starts_the_shard_empty(small_trace):
     other.shards.fingerprint = {"tiers": TIERS, "caps": [1, 2, 3]}
     assert other.shards.on_assigned(["g/t/0", "g/t/1"]) == {}
     assert other.shards.stats.restore_mismatches == 2
+
+
+def test_background_snapshots_hold_the_state_of_their_commit_not_later(small_trace):
+    """Later snapshots are copied in the loop and written by a thread: what is written
+    is the state at the checkpoint, even though the loop goes on changing it; the
+    first snapshot of a shard is written before checkpoint() returns."""
+    import threading
+
+    class GatedStore(StateStore):
+        """Writes from the writer thread wait for ``gate``: the loop changes the state
+        first, so a snapshot that shared the loop's arrays would show it."""
+
+        gate = threading.Event()
+
+        def save(self, key, tree):
+            if threading.current_thread() is not threading.main_thread():
+                assert self.gate.wait(30)
+            return super().save(key, tree)
+
+    stream = _stream(small_trace, 300)
+    store = GatedStore(MemoryChangelog())
+    world = World(make_policy("lru"), store, background=True)
+    for key, event in stream[:100]:
+        world.handle(key, event)
+    world.shards.checkpoint({"g/t/0": (1, 0), "g/t/1": (1, 0)})
+    assert world.shards._writer is None  # first snapshots: written in the loop
+    assert store.load("g/t/0") is not None
+    for key, event in stream[100:200]:
+        world.handle(key, event)
+    world.shards.checkpoint({"g/t/0": (2, 0), "g/t/1": (2, 0)})
+    expected = decode_state(
+        encode_state(world.shards.snapshot(world.shards.shards["g/t/0"], (2, 0)))
+    )
+    for key, event in stream[200:]:  # the loop goes on while the writer waits
+        world.handle(key, event)
+    assert not world.shards.drain(timeout_s=0.05)  # still held at the gate
+    store.gate.set()
+    assert world.shards.drain(timeout_s=30)
+    world.shards.close()
+    tree = store.load("g/t/0")
+    assert tree["position"] == [2, 0]
+    np.testing.assert_array_equal(
+        tree["policy"]["_table"]["v"]["last_access"],
+        expected["policy"]["_table"]["v"]["last_access"],
+    )
+    assert encode_state(tree) == encode_state(expected)
