@@ -307,6 +307,42 @@ def plot(results: dict[str, list[dict[str, Any]]], policies: Sequence[str], path
     return path
 
 
+def plot_tiered(
+    results: dict[str, list[dict[str, Any]]], policies: Sequence[str], path: Path
+) -> Path:
+    """One PNG: TTFT p50 change against no prewarm per workload and HBM capacity, for
+    LRU with prewarm and every other kvwarm policy (grouped bars)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    shown = ["lru", *(p for p in policies if p != "lru")]
+    labels: list[str] = []
+    values: dict[str, list[float]] = {p: [] for p in shown}
+    for workload, rows in results.items():
+        for cap in sorted({r["capacity"] for r in rows}):
+            at = {r["policy"]: r for r in rows if r["capacity"] == cap}
+            labels.append(f"{workload}\n{cap * 100:g}%")
+            for p in shown:
+                values[p].append(100 * at[p]["ttft_p50_change"] if p in at else float("nan"))
+    fig, ax = plt.subplots(figsize=(max(6.0, 0.55 * len(labels) * len(shown)), 4))
+    width = 0.8 / len(shown)
+    x = np.arange(len(labels))
+    for k, p in enumerate(shown):
+        ax.bar(x + k * width, values[p], width, label="LRU+prewarm" if p == "lru" else p)
+    ax.axhline(0, color="k", linewidth=0.8)
+    ax.set_xticks(x + width * (len(shown) - 1) / 2, labels, fontsize=7)
+    ax.set_ylabel("TTFT p50 vs no prewarm (%)")
+    ax.set_title("Tiered: what prewarming and prediction add")
+    ax.legend(fontsize=8)
+    ax.grid(True, axis="y", alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
 @click.command("quality")
 @click.option(
     "--workloads",
@@ -443,6 +479,8 @@ def quality(
     (out_dir / "results.json").write_text(json.dumps(_jsonable(data), indent=2))
     (out_dir / "summary.md").write_text(table + "\n")
     click.echo(f"plot: {plot(results, policy_names, out_dir / 'quality.png')}")
+    if tiered:
+        click.echo(f"plot: {plot_tiered(tiered_results, policy_names, out_dir / 'tiered.png')}")
     click.echo(f"results: {out_dir / 'results.json'}")
 
 
