@@ -21,9 +21,13 @@ into the one simulation:
 
 - R1: 64 distinct prompts whose every block starts in NVMe (cold), LRU, loads at
   scheduling, concurrency 16; NVMe read serial (1 lane at 0.98 GB/s) vs the
-  profile's parallel reads (5.23 GB/s aggregate); nothing else changes. The report
-  does not give R1's prompt length: it is set (to 512 tokens) so that the serial
-  figure matches, and the parallel one is the model's prediction.
+  profile's parallel reads (5.23 GB/s aggregate); nothing else changes. R1 went
+  through LMCache, whose retrieve runs in the forward pass unless its (opt-in) async
+  loading is on, so the engine's step waits for the loads of the requests it computes
+  (``TieredSetup.blocking_loads``; R2/R3 keep asynchronous loading, as kvwarm's
+  prefetch does). The report does not give R1's prompt length: it is set (to 512
+  tokens) so that the serial figure matches, and the parallel one is the model's
+  prediction.
 - R2/R3: ``no_cache`` (HBM only, the engine's own prefix cache), ``lru_prewarm``
   (tiered LRU, loads at arrival), ``kvwarm`` (learned LightGBM, loads at arrival
   and speculative prefetch) and ``oracle`` (future knowledge, the upper reference).
@@ -121,7 +125,8 @@ def r1_events(prompt_tokens: int, num_requests: int = R1_REQUESTS) -> list[Block
 
 def r1_ttft_p50_s(profile: Profile, prompt_tokens: int) -> float:
     """TTFT p50 (s) of cold NVMe reads at concurrency 16: every block starts in NVMe,
-    LRU, loads when the engine schedules the request (as LMCache does)."""
+    LRU, loads when the engine schedules the request and the step waits for them (as
+    LMCache does without async loading)."""
     from training.tiered import TieredSetup, replay_tiered
 
     events = r1_events(prompt_tokens)
@@ -129,6 +134,7 @@ def r1_ttft_p50_s(profile: Profile, prompt_tokens: int) -> float:
         profile=profile,
         hbm_capacity_blocks=_hbm_blocks(profile),
         concurrency=SEED_R1_CONCURRENCY,
+        blocking_loads=True,  # through LMCache: loads in the forward pass
     )
     r = replay_tiered(
         _warm("lru", []),

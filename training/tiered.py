@@ -70,6 +70,9 @@ class TieredSetup:
     think_ms: float = 0.0
     """Closed loop: mean think time (exponential, seeded) between a client's requests."""
     seed: int = 0
+    blocking_loads: bool = False
+    """The engine's steps wait for the KV loads of the requests they compute (a
+    connector that loads synchronously); default: asynchronous loading."""
 
     def capacities_blocks(self, tiers: Sequence[str] | None = None) -> list[int]:
         block_bytes = self.profile.model.block_bytes(self.block_size_tokens)
@@ -388,6 +391,7 @@ def replay_tiered(
         release=hold.release if hold is not None else None,
         concurrency=setup.concurrency,
         progress=progress,
+        blocking_loads=setup.blocking_loads,
     )
     stats = executor.stats()
     mismatches = sum(

@@ -68,8 +68,16 @@ class Engine:
         on_schedule: ScheduleFn | None = None,
         on_first_token: NotifyFn | None = None,
         on_finish: NotifyFn | None = None,
+        blocking_loads: bool = False,
     ) -> None:
+        """``blocking_loads``: a step that schedules a request whose prefix is still
+        loading waits for the load (the forward pass waits for its KV, as a connector
+        that loads synchronously does, e.g. LMCache's retrieve before the layers run);
+        every request in the batch waits with it. Default: asynchronous loading (the
+        request is skipped until its KV is in HBM)."""
         self.model = model
+        self.blocking_loads = blocking_loads
+        self.stalled_ms = 0.0
         self.now_ms = 0.0
         self.busy_ms = 0.0
         self.num_steps = 0
@@ -122,7 +130,11 @@ class Engine:
         earliest: float | None = None
         for r in self.waiting:
             # Not before it arrived (an idle engine's clock lags the arrivals).
-            ready = r.arrival_ms if r.load_ready_ms is None else r.load_ready_ms
+            ready = (
+                r.arrival_ms
+                if r.load_ready_ms is None or self.blocking_loads
+                else (r.load_ready_ms)
+            )
             if ready <= self.now_ms:
                 return self.now_ms
             if earliest is None or ready < earliest:
@@ -151,7 +163,7 @@ class Engine:
                     r.load_ready_ms, cached = self.on_schedule(r, t)
                     r.cached_tokens = min(cached, r.prompt_tokens - 1)
                     r.next_position = r.cached_tokens
-            if r.load_ready_ms > t:
+            if r.load_ready_ms > t and not self.blocking_loads:
                 continue
             n = min(budget, r.prompt_tokens - r.next_position)
             chunks.append((r, r.next_position, r.next_position + n))
@@ -159,6 +171,12 @@ class Engine:
         if not chunks and self.decoding:
             self._decode_stretch(horizon_ms)
             return
+        if self.blocking_loads and chunks:
+            # The forward pass waits for the KV of every request it computes.
+            loaded = max(r.load_ready_ms or t for r, _, _ in chunks)
+            if loaded > t:
+                self.stalled_ms += loaded - t
+                t = loaded
         contexts = [r.prompt_tokens + r.generated for r in self.decoding]
         ms = self.prefill_step_ms([(s, e) for _, s, e in chunks], contexts)
         end = t + ms

@@ -86,8 +86,11 @@ def run_requests(
     release: ReleaseFn | None = None,
     concurrency: int | None = None,
     progress: Callable[[int], None] | None = None,
+    blocking_loads: bool = False,
 ) -> RunResult:
-    """Drive ``requests`` through the engine over ``executor``'s tiers (see module)."""
+    """Drive ``requests`` through the engine over ``executor``'s tiers (see module).
+    ``blocking_loads``: the engine's steps wait for the loads of the requests they
+    compute (``Engine``)."""
     if concurrency is not None and concurrency < 1:
         raise ValueError(f"concurrency must be >= 1, got {concurrency}")
     n = len(requests)
@@ -163,6 +166,7 @@ def run_requests(
         on_schedule=schedule if release is not None else None,
         on_first_token=first_token,
         on_finish=finished,
+        blocking_loads=blocking_loads,
     )
     if n:
         if concurrency is None:

@@ -327,6 +327,25 @@ def test_engine_waits_for_a_loading_prefix_without_blocking_the_queue() -> None:
     )
 
 
+def test_with_blocking_loads_the_step_waits_for_the_load_and_the_batch_with_it() -> None:
+    """A connector that loads in the forward pass (LMCache without async loading):
+    the step computing the loading request starts when its KV is in HBM, and the ready
+    request scheduled in the same step waits too; the wait is a stall, not busy time."""
+    from executor.sim.engine import EngineRequest
+
+    engine = _engine(blocking_loads=True)
+    loading = EngineRequest("l", 0.0, 4000, 1, cached_tokens=3000, load_ready_ms=500.0)
+    ready = EngineRequest("r", 0.0, 1000, 1)
+    engine.submit(loading)
+    engine.submit(ready)
+    engine.step()
+    model = engine.model
+    both = 500.0 + model.step_overhead_ms + model.prefill_ms(1000, 3000) + model.prefill_ms(1000)
+    assert loading.first_token_ms == ready.first_token_ms == pytest.approx(both)
+    assert engine.stalled_ms == pytest.approx(500.0)
+    assert engine.busy_ms == pytest.approx(both - 500.0)
+
+
 def test_a_write_back_backlog_never_delays_a_read() -> None:
     sim = small_sim(capacity_blocks={"hbm": 50, "dram": 50, "nvme": 50, "remote": 50})
     for block in range(40):
