@@ -29,8 +29,9 @@ into the one simulation:
   tokens) so that the serial figure matches, and the parallel one is the model's
   prediction.
 - R2/R3: ``no_cache`` (HBM only, the engine's own prefix cache), ``lru_prewarm``
-  (tiered LRU, loads at arrival), ``kvwarm`` (learned LightGBM, loads at arrival
-  and speculative prefetch) and ``oracle`` (future knowledge, the upper reference).
+  (tiered LRU, loads at arrival), ``kvwarm`` (learned LightGBM behind the online
+  guard, as served; loads at arrival and speculative prefetch behind the prefetch
+  gate) and ``oracle`` (future knowledge, the upper reference).
 
 Free parameters: only the profile's assumptions (``Profile.assumptions``); the
 bundled values of ``model.mfu`` and ``model.step_overhead_ms`` were calibrated with
@@ -192,6 +193,7 @@ def run_r2(
     say: Any,
 ) -> dict[str, Any]:
     """One concurrency: no cache, tiered LRU with prewarm, kvwarm learned, oracle."""
+    from predictor.guard import guarded
     from predictor.oracle import FutureAccesses
     from training.replay import rescale_time
     from training.tiered import TieredSetup, replay_tiered
@@ -211,7 +213,9 @@ def run_r2(
     train_s, test_s = events[: len(train)], events[len(train) :]
     say(f"concurrency {concurrency}: time scale {scale:.3f}; training {learned}")
     model = fit_policy_on_events(learned, train_s, quick=True, horizon_ms=int(60_000 * scale))
-    model.observe_many(train_s)
+    # As ``serve`` serves it: behind the online guard (model / LRU / LFU ghosts).
+    served = guarded(model, _hbm_blocks(profile))
+    served.observe_many(train_s)
     future = FutureAccesses.from_events(events)
     oracle = _warm("oracle", train_s, future=future)
     results = {
@@ -219,7 +223,7 @@ def run_r2(
         "lru_prewarm": replay_tiered(
             _warm("lru", train_s), test_s, setup, speculative=False, label="lru_prewarm"
         ),
-        "kvwarm": replay_tiered(model, test_s, setup, label="kvwarm"),
+        "kvwarm": replay_tiered(served, test_s, setup, label="kvwarm"),
         "oracle": replay_tiered(oracle, test_s, setup, label="oracle"),
     }
     base = no_cache

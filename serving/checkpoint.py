@@ -93,6 +93,15 @@ STATE_FIELDS: dict[str, tuple[str, ...]] = {
     "ScoringFallback": ("inner", "num_failures"),
     "Placement": ("_tier", "_members", "_pos", "moved_at_ms"),
     "Planner": ("rng",),
+    "PrefetchGate": (
+        "used_weight",
+        "total_weight",
+        "pending",
+        "num_used",
+        "num_wasted",
+        "num_rounds",
+        "num_skipped",
+    ),
 }
 
 

@@ -35,6 +35,7 @@ from predictor.base import Policy
 from serving import defaults
 from serving.placement import Placement
 from serving.planner import AdmitFn, Move, Planner
+from serving.prefetch_gate import PrefetchGate
 from serving.sources import EventSource
 
 log = logging.getLogger(__name__)
@@ -74,9 +75,12 @@ class Sidecar:
         prefetch: bool = True,
         prefetch_levels: int = defaults.PREFETCH_LEVELS,
         allow_future: bool = False,
+        prefetch_min_precision: float | None = defaults.PREFETCH_MIN_PRECISION,
     ) -> None:
         """``allow_future``: only a replay passes True; it lets a policy that declares
-        ``needs_future`` (the oracle) run."""
+        ``needs_future`` (the oracle) run. ``prefetch_min_precision``: speculative
+        prefetch rounds run while their measured precision is at least this
+        (``serving.prefetch_gate``); None: always."""
         if policy.needs_future and not allow_future:
             raise ValueError(
                 f"policy {policy.name!r} needs future knowledge; it can only run in a replay"
@@ -91,6 +95,15 @@ class Sidecar:
         """Bandwidth budget check for speculative moves (set by the executor side)."""
         self.recent: deque[tuple[int, ...]] = deque(maxlen=recent_requests)
         self.hooks: list[MovesHook] = []
+        # A policy that knows the future (the oracle, replay only) is not gated: the
+        # gate guards against mispredictions, and the oracle is the reference.
+        self.prefetch_gate: PrefetchGate | None = (
+            PrefetchGate(prefetch_min_precision)
+            if prefetch_min_precision is not None
+            and self.prefetch_enabled
+            and not policy.needs_future
+            else None
+        )
         self.stats = LoopStats()
         self._last_prefetch_ms: int | None = None
         self._lock = threading.Lock()  # policy hot-swap vs the loop
@@ -115,6 +128,8 @@ class Sidecar:
                 self.stats.requests += 1
                 self.stats.block_accesses += len(event.block_hashes)
                 blocks = list(dict.fromkeys(event.block_hashes))
+                if self.prefetch_gate is not None:
+                    self.prefetch_gate.on_request(blocks)
                 moves = self.planner.on_request(self.placement, blocks, self.score, now)
                 self.recent.append(event.block_hashes)
                 self._emit(event, moves, now)
@@ -132,6 +147,8 @@ class Sidecar:
         ):
             return []
         self._last_prefetch_ms = now_ms
+        if self.prefetch_gate is not None and not self.prefetch_gate.allow_round():
+            return []
         # Blocks of recent requests, then what the policy expects back soon beyond them.
         predicted = self.policy.prefetch_candidates(now_ms, PREDICTED_CANDIDATES).tolist()
         recent = list(dict.fromkeys([*(b for chain in self.recent for b in chain), *predicted]))
@@ -174,6 +191,8 @@ class Sidecar:
         counts = self.stats.moves_by_kind
         for m in moves:
             counts[m.kind] = counts.get(m.kind, 0) + 1
+        if self.prefetch_gate is not None:
+            self.prefetch_gate.on_moves(moves)
         for hook in self.hooks:
             hook(event, moves, now_ms)
 

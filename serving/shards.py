@@ -49,11 +49,12 @@ from predictor.base import Policy
 from serving.checkpoint import CheckpointError, capture, fresh_policy, restore
 from serving.placement import Placement
 from serving.planner import Planner, PlannerParams
+from serving.prefetch_gate import PrefetchGate
 from serving.state_store import StateStore
 
 log = logging.getLogger(__name__)
 
-SNAPSHOT_VERSION = 1
+SNAPSHOT_VERSION = 2
 
 
 @dataclass
@@ -65,6 +66,7 @@ class Shard:
     planner: Planner
     placement: Placement
     recent: deque[tuple[int, ...]]
+    gate: PrefetchGate | None = None
     last_prefetch_ms: int | None = None
     last_origin: str = "start"
     generation: int = 0
@@ -179,6 +181,7 @@ class ShardedState:
             planner=Planner(self.planner_params),
             placement=placement,
             recent=deque(maxlen=s.recent.maxlen),
+            gate=PrefetchGate(s.prefetch_gate.min_precision) if s.prefetch_gate else None,
             generation=self.generation,
         )
         self.stats.shards_created += 1
@@ -197,6 +200,7 @@ class ShardedState:
             s, d = self.sidecar, self.decisions
             s.policy, s.planner, s.placement = shard.policy, shard.planner, shard.placement
             s.recent, s._last_prefetch_ms = shard.recent, shard.last_prefetch_ms
+            s.prefetch_gate = shard.gate
             d.placement, d._last_origin = shard.placement, shard.last_origin
             shard.dirty = True
             self.active = shard
@@ -228,6 +232,7 @@ class ShardedState:
             "policy": capture(shard.policy, copy=copy),
             "planner": capture(shard.planner, copy=copy),
             "placement": capture(shard.placement, copy=copy),
+            "gate": capture(shard.gate, copy=copy) if shard.gate is not None else None,
             "recent": [list(chain) for chain in shard.recent],
             "last_prefetch_ms": shard.last_prefetch_ms,
             "last_origin": shard.last_origin,
@@ -248,6 +253,10 @@ class ShardedState:
         restore(shard.policy, tree["policy"])
         restore(shard.planner, tree["planner"])
         restore(shard.placement, tree["placement"])
+        if (shard.gate is None) != (tree.get("gate") is None):
+            raise CheckpointError("snapshot and sidecar disagree on the prefetch gate")
+        if shard.gate is not None:
+            restore(shard.gate, tree["gate"])
         shard.recent.extend(tuple(int(b) for b in chain) for chain in tree["recent"])
         shard.last_prefetch_ms = tree["last_prefetch_ms"]
         shard.last_origin = str(tree["last_origin"])
