@@ -636,6 +636,11 @@ class Service:
             "model_version": s.version,
             "last_reload_error": s.last_error,
             **self.sidecar.policy.online_status(),
+            **(
+                {"prefetch_gate": self.sidecar.prefetch_gate.status()}
+                if self.sidecar.prefetch_gate is not None
+                else {}
+            ),
         }
 
     def ready(self) -> bool:

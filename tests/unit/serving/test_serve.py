@@ -281,6 +281,9 @@ def test_a_learned_model_is_served_behind_the_guard_visible_in_health_and_metric
         assert health["chosen"] in ("lightgbm", "lru", "lfu")
         assert set(health["estimated_hit_ratio"]) == {"lightgbm", "lru", "lfu"}
         assert health["sampled_accesses"] > 0
+        gate = service.health()["prefetch_gate"]
+        assert gate["rounds"] > 0 and gate["used"] + gate["wasted"] > 0
+        assert 0.0 <= gate["precision"] <= 1.0
         text = service.metrics.text().decode()
         assert f'kvwarm_guard_choice{{policy="{health["chosen"]}"}} 1.0' in text
         assert "kvwarm_guard_estimated_hit_ratio" in text
