@@ -34,7 +34,7 @@ from __future__ import annotations
 import json
 import math
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -111,6 +111,15 @@ def run_workload(
     return report.single
 
 
+def tiered_settings(
+    results: dict[str, list[dict[str, Any]]],
+) -> Iterator[tuple[str, float, dict[str, dict[str, Any]]]]:
+    """(workload, capacity, policy -> row) for every tiered setting, in table order."""
+    for workload, rows in results.items():
+        for cap in sorted({r["capacity"] for r in rows}):
+            yield workload, cap, {r["policy"]: r for r in rows if r["capacity"] == cap}
+
+
 def summarize_tiered(
     results: dict[str, list[dict[str, Any]]], policies: Sequence[str]
 ) -> dict[str, Any]:
@@ -124,19 +133,17 @@ def summarize_tiered(
         worst: tuple[float, str] = (-math.inf, "")
         better: list[str] = []
         settings = 0
-        for workload, rows in results.items():
-            for cap in sorted({r["capacity"] for r in rows}):
-                at = {r["policy"]: r for r in rows if r["capacity"] == cap}
-                if name not in at or "lru" not in at:
-                    continue
-                base = at["lru"]["ttft_ms"]["p50"]
-                ratio = at[name]["ttft_ms"]["p50"] / base if base else float("nan")
-                settings += 1
-                where = f"{workload} @ {cap * 100:g}%"
-                if np.isfinite(ratio) and ratio > worst[0]:
-                    worst = (ratio, where)
-                if np.isfinite(ratio) and ratio < 0.99:
-                    better.append(where)
+        for workload, cap, at in tiered_settings(results):
+            if name not in at or "lru" not in at:
+                continue
+            base = at["lru"]["ttft_ms"]["p50"]
+            ratio = at[name]["ttft_ms"]["p50"] / base if base else float("nan")
+            settings += 1
+            where = f"{workload} @ {cap * 100:g}%"
+            if np.isfinite(ratio) and ratio > worst[0]:
+                worst = (ratio, where)
+            if np.isfinite(ratio) and ratio < 0.99:
+                better.append(where)
         out[name] = {
             "worst_ttft_ratio_to_lru_prewarm": worst[0],
             "worst_at": worst[1],
@@ -157,19 +164,15 @@ def markdown_tiered(results: dict[str, list[dict[str, Any]]], summary: dict[str,
         + " |"
     )
     lines = [head, "|" + "---|" * (3 + len(policies))]
-    for workload, rows in results.items():
-        for cap in sorted({r["capacity"] for r in rows}):
-            at = {r["policy"]: r for r in rows if r["capacity"] == cap}
-            if "no_prewarm" not in at:
-                continue
-            cells = [
-                f"{at[p]['ttft_p50_change'] * 100:+.1f}%" if p in at else "-" for p in policies
-            ]
-            lines.append(
-                f"| {workload} | {cap * 100:g}% | {at['no_prewarm']['ttft_ms']['p50'] / 1000:.2f} s | "
-                + " | ".join(cells)
-                + " |"
-            )
+    for workload, cap, at in tiered_settings(results):
+        if "no_prewarm" not in at:
+            continue
+        cells = [f"{at[p]['ttft_p50_change'] * 100:+.1f}%" if p in at else "-" for p in policies]
+        lines.append(
+            f"| {workload} | {cap * 100:g}% | {at['no_prewarm']['ttft_ms']['p50'] / 1000:.2f} s | "
+            + " | ".join(cells)
+            + " |"
+        )
     lines += [
         "",
         "| policy | worst TTFT p50 / LRU+prewarm (where) | lower than LRU+prewarm by >1% at |",
@@ -320,12 +323,10 @@ def plot_tiered(
     shown = ["lru", *(p for p in policies if p != "lru")]
     labels: list[str] = []
     values: dict[str, list[float]] = {p: [] for p in shown}
-    for workload, rows in results.items():
-        for cap in sorted({r["capacity"] for r in rows}):
-            at = {r["policy"]: r for r in rows if r["capacity"] == cap}
-            labels.append(f"{workload}\n{cap * 100:g}%")
-            for p in shown:
-                values[p].append(100 * at[p]["ttft_p50_change"] if p in at else float("nan"))
+    for workload, cap, at in tiered_settings(results):
+        labels.append(f"{workload}\n{cap * 100:g}%")
+        for p in shown:
+            values[p].append(100 * at[p]["ttft_p50_change"] if p in at else float("nan"))
     fig, ax = plt.subplots(figsize=(max(6.0, 0.55 * len(labels) * len(shown)), 4))
     width = 0.8 / len(shown)
     x = np.arange(len(labels))

@@ -174,7 +174,7 @@ def _int_array(values: Any, count: int) -> np.ndarray | None:
     """``values`` (ints) as an int64 or uint64 array, or None if they fit neither."""
     for dtype in (np.int64, np.uint64):
         try:
-            return np.fromiter(values() if callable(values) else values, dtype=dtype, count=count)
+            return np.fromiter(values, dtype=dtype, count=count)
         except (OverflowError, TypeError, ValueError):
             continue
     return None

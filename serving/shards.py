@@ -212,7 +212,6 @@ class ShardedState:
             return
         shard.last_prefetch_ms = self.sidecar._last_prefetch_ms
         shard.last_origin = self.decisions._last_origin
-        shard.recent = self.sidecar.recent
 
     def deactivate(self) -> None:
         with self._lock:

@@ -284,10 +284,6 @@ class SimulatedExecutor:
             tiers.append(t)
         return len(tiers), tiers
 
-    def is_cached(self, block: Hashable) -> bool:
-        """Whether ``block`` sits in any tier."""
-        return block in self._tier_of
-
     def prefix_ready_ms(self, blocks: Iterable[Hashable], now_ms: float) -> float:
         """When every one of ``blocks`` (a request's cached prefix) is in HBM. Blocks
         still below HBM are streamed through for this request (a demand read booked

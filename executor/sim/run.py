@@ -122,9 +122,8 @@ def run_requests(
         """After request i's own decisions applied: its usable prefix ends at the first
         block they (or a prefetch round right after) moved out of every tier; the rest is
         computed. Returns the cached prompt tokens left."""
-        blocks = requests[i].blocks
         n = first_miss_of[i]
-        k = next((j for j in range(n) if not executor.is_cached(blocks[j])), n)
+        k = executor.cached_prefix(requests[i].blocks[:n])[0]
         if k == n:
             return cached
         first_miss_of[i] = k
