@@ -299,6 +299,22 @@ class SimulatedExecutor:
                 ready_at = done
         return ready_at
 
+    def host_copy_done_ms(self, num_blocks: int, start_ms: float) -> float:
+        """When ``num_blocks`` blocks already in host memory, copied to the GPU
+        together from ``start_ms``, have landed: one transfer booked on the host-to-GPU
+        link, the read channel of the tier named ``dram`` (which models PCIe). How a
+        synchronous retrieve stages storage reads (LMCache: every chunk read into host
+        memory, then one batched copy to the GPU). Without a ``dram`` tier there is
+        nothing to stage through: ``start_ms``."""
+        if num_blocks <= 0 or "dram" not in self.tier_names:
+            return start_ms
+        host = self.tier_names.index("dram")
+        size = num_blocks * self.block_bytes
+        done = self._channels[host].read.book(start_ms, size)
+        self._bytes_read[host][_STREAM] += size
+        self._bytes_written[0][_STREAM] += size
+        return done
+
     # -- transfers --------------------------------------------------------------------
     def admit_prefetch(self, from_tier: int | str, to_tier: int | str, now_ms: float) -> bool:
         """Whether the prefetch budget of the source's read link and the destination's

@@ -90,7 +90,9 @@ def run_requests(
 ) -> RunResult:
     """Drive ``requests`` through the engine over ``executor``'s tiers (see module).
     ``blocking_loads``: the engine's steps wait for the loads of the requests they
-    compute (``Engine``)."""
+    compute (``Engine``), and each load is a synchronous retrieve that stages through
+    host memory, one request after another (``load`` below), as through LMCache
+    without its asynchronous loading."""
     if concurrency is not None and concurrency < 1:
         raise ValueError(f"concurrency must be >= 1, got {concurrency}")
     n = len(requests)
@@ -102,6 +104,7 @@ def run_requests(
     hits = [0] * len(executor.tier_names)
     hit_tokens = [0] * len(executor.tier_names)
     first_miss_of = [0] * n
+    below_hbm = [0] * n  # blocks of the cached prefix below HBM, before its decisions
     totals = {"accesses": 0, "prompt": 0, "output": 0, "computed": 0, "done": 0,
               "evicted_prefix": 0}  # fmt: skip
 
@@ -111,6 +114,7 @@ def run_requests(
         req = requests[i]
         first_miss, tiers = executor.cached_prefix(req.blocks)
         first_miss_of[i] = first_miss
+        below_hbm[i] = len(tiers) - tiers.count(0)
         for t in tiers:
             hits[t] += 1
         cached = min(first_miss * block_tokens, req.prompt_tokens)
@@ -130,14 +134,34 @@ def run_requests(
         totals["evicted_prefix"] += n - k
         return min(k * block_tokens, requests[i].prompt_tokens)
 
+    # Blocking loads: [end of the previous retrieve, latest read landed so far].
+    retrieve = [0.0, 0.0]
+
+    def load(i: int, now_ms: float, below: int) -> float:
+        """When request i's cached prefix is in HBM; ``below``: how many of its blocks
+        were below HBM before its own decisions. Asynchronous loads: when the reads
+        (demand promotes, streams) land. Blocking loads are synchronous retrieves, as
+        LMCache's without its async loading: one request after another (the connector
+        loops over a step's requests), each its own reads (the time its bytes took on
+        the FIFO device queue) then one copy of those blocks from host memory to the
+        GPU (``SimulatedExecutor.host_copy_done_ms``)."""
+        landed = executor.prefix_ready_ms(requests[i].blocks[: first_miss_of[i]], now_ms)
+        if not blocking_loads:
+            return landed
+        previous_end, last_landed = retrieve
+        reads = max(0.0, landed - max(now_ms, last_landed))
+        retrieve[1] = max(last_landed, landed)
+        ready = executor.host_copy_done_ms(below, max(now_ms, previous_end) + reads)
+        retrieve[0] = ready
+        return ready
+
     def schedule(r: EngineRequest, now_ms: float) -> tuple[float, int]:
         i = r.key
         cached = lookup(i)
         assert release is not None
         release(i, now_ms)
         cached = still_cached(i, cached)
-        ready = executor.prefix_ready_ms(requests[i].blocks[: first_miss_of[i]], now_ms)
-        return ready, cached
+        return load(i, now_ms, below_hbm[i]), cached
 
     arrivals: list[tuple[float, int]] = []
     next_index = 0
@@ -196,7 +220,7 @@ def run_requests(
             cached = lookup(i)
             on_arrival(i, t)
             cached = still_cached(i, cached)
-            load_ready: float | None = executor.prefix_ready_ms(req.blocks[: first_miss_of[i]], t)
+            load_ready: float | None = load(i, t, below_hbm[i])
         else:
             on_arrival(i, t)
             load_ready, cached = None, 0

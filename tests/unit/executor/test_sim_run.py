@@ -111,3 +111,45 @@ def test_a_prefix_block_its_own_request_evicts_is_computed_not_a_crash() -> None
     assert result.ttft_ms[1] > 0
     # 10 blocks loaded, 6 computed: more computed than a full hit, less than a miss.
     assert 8192 < result.computed_tokens < 2 * 8192
+
+
+def test_blocking_loads_are_retrieves_one_after_another_each_reads_then_copies() -> None:
+    """Through LMCache without async loading: the connector retrieves the requests of
+    a step one after another, and each retrieve reads its chunks into host memory, then
+    copies them to the GPU over PCIe (the DRAM tier's read link). So two cold requests
+    scheduled together see their first tokens after both reads and both copies, and a
+    slower copy link adds its time once per request, not once in all."""
+    from executor.sim.profile import load_profile
+
+    profile = load_profile()
+    blocks = 4
+    requests = [
+        SimRequest(0.0, tuple(range(i * blocks, (i + 1) * blocks)), blocks * 512, 1)
+        for i in range(2)
+    ]
+
+    def ttft(link_bytes_per_s: float | None) -> np.ndarray:
+        p = profile
+        if link_bytes_per_s is not None:
+            p = p.with_tier(
+                "dram",
+                read_serial_bytes_per_s=link_bytes_per_s,
+                read_parallel_bytes_per_s=link_bytes_per_s,
+                parallelism=1,
+            )
+        executor = SimulatedExecutor(p, capacity_blocks={"hbm": 100, "dram": 100, "nvme": 100})
+        for b in range(2 * blocks):
+            executor.place(b, "nvme", now_ms=0.0)
+        return run_requests(
+            requests, executor, on_arrival=lambda i, t: None, concurrency=2, blocking_loads=True
+        ).ttft_ms
+
+    nvme = profile.tier("nvme")
+    size = SimulatedExecutor(profile).block_bytes
+    reads_ms = 2 * blocks * size / nvme.read_parallel_bytes_per_s * 1000  # FIFO link
+    fast, slow = ttft(None), ttft(1e9)  # 400 GB/s vs 1 GB/s host-to-GPU
+    assert fast[0] == fast[1]  # one step computes both, after both retrieves
+    assert fast[0] > reads_ms
+    copy_ms = blocks * size / 1e9 * 1000  # one request's copy at 1 GB/s
+    # Each request's copy adds to its own retrieve: twice the copy, not once.
+    assert slow[0] - fast[0] == pytest.approx(2 * copy_ms, rel=0.02)
