@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import math
 import os
 from collections import Counter, deque
 from collections.abc import Callable, Sequence
@@ -47,6 +48,7 @@ import msgspec
 from executor.decision import Decision
 from executor.kvhints import ack_status_of
 from executor.kvhints import decision_format as decision_format_named
+from executor.names import TIER_NAMES, TIER_RANK
 from executor.protocol import Executor, Outcome
 from executor.sim.executor import SimulatedExecutor
 from features.events import BlocksAccessed
@@ -82,6 +84,8 @@ def net_moves(moves: list[Move]) -> list[Move]:
     it (a request's block promoted to the fastest tier and demoted again at once
     becomes one promote to where it stays; a block that ends where it started makes
     no move). In the order of each block's first move."""
+    if len({m.block for m in moves}) == len(moves):  # the common case: one move a block
+        return list(moves)
     chains: dict[int, list[Move]] = {}
     for m in moves:
         chains.setdefault(m.block, []).append(m)
@@ -130,6 +134,9 @@ def order_for_room(
         if m.from_tier != NOWHERE:
             count[m.from_tier] += 1
         chains.setdefault(m.block, []).append(m)
+    # The common case, one move a block and none that waits: the planner's order.
+    if len(chains) == len(moves) and _fits_in_order(moves, list(count), limits):
+        return list(moves)
     ready: deque[Move] = deque(chain[0] for chain in chains.values())
     next_in_chain = {block: 1 for block in chains}
     waiting: list[deque[Move]] = [deque() for _ in limits]
@@ -156,6 +163,20 @@ def order_for_room(
         placed = {id(m) for m in out}
         out += [m for m in moves if id(m) not in placed]
     return out
+
+
+def _fits_in_order(moves: list[Move], count: list[int], limits: Sequence[int]) -> bool:
+    """Whether ``moves`` applied in their order from ``count`` (blocks per tier, changed
+    in place) keep every tier within ``limits``: then ``order_for_room`` keeps it."""
+    for m in moves:
+        dst = m.to_tier
+        if dst != NOWHERE:
+            if count[dst] >= limits[dst]:
+                return False
+            count[dst] += 1
+        if m.from_tier != NOWHERE:
+            count[m.from_tier] -= 1
+    return True
 
 
 def decision_id(
@@ -203,6 +224,14 @@ class DecisionMaker:
         split_at_stores: bool = True,
     ) -> None:
         self.tier_names = list(tier_names)
+        ranks = [TIER_RANK.get(name, -1) for name in self.tier_names]
+        if min(ranks, default=0) < 0 or ranks != sorted(set(ranks)):
+            # ``make`` builds decisions unchecked (``Decision.planned``): that is sound
+            # only when tier index order is rank order, as the planner assumes.
+            raise ValueError(
+                f"tiers {self.tier_names} must be distinct, known ({', '.join(TIER_NAMES)}) "
+                "and fastest first"
+            )
         self.split_at_stores = split_at_stores
         self.sink = sink
         self.model_info = model_info
@@ -258,15 +287,27 @@ class DecisionMaker:
             if did in seen:  # the same move twice in one round: keep ids unique
                 did = decision_id(f"{origin}#{len(seen)}", m.block, action, from_tier, to_tier)
             seen.add(did)
+            score = float(m.score)
+            src, dst = m.from_tier, m.to_tier
+            if action == "promote":
+                sound = src != NOWHERE and dst < src
+            elif action == "demote":
+                sound = src != NOWHERE and dst > src
+            else:  # evict: to nowhere
+                sound = True
+            sound = sound and math.isfinite(score)
+            # What the planner makes is valid by construction (see ``Decision.planned``);
+            # anything else goes through the checking constructor, which says what.
+            build = Decision.planned if sound else Decision
             out.append(
-                Decision(
+                build(
                     decision_id=did,
                     ts_ms=now_ms,
                     block_hash=m.block,
                     action=action,  # type: ignore[arg-type]
                     from_tier=from_tier,
                     to_tier=to_tier,
-                    score=float(m.score),
+                    score=score,
                     policy=policy,
                     model_version=version,
                     deadline_ms=deadline,

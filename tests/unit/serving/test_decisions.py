@@ -244,3 +244,56 @@ def test_fan_out_reaches_every_sink_even_when_one_fails():
         fan.flush()
     assert good_before.decisions == good_after.decisions == [d]
     assert good_before.flushes == good_after.flushes == 1
+
+
+def _general_order(moves, counts_after, limits):
+    """``order_for_room`` with its fast path defeated: a duplicated block forces the
+    general algorithm (a chain of moves per block), which for distinct blocks must give
+    the same order."""
+    sentinel = Move(-7, NOWHERE, NOWHERE, 0.0, "store")  # no tier change, same block twice
+    out = order_for_room([*moves, sentinel, sentinel], counts_after, limits)
+    return [m for m in out if m.block != -7]
+
+
+def test_order_for_room_fast_path_equals_the_general_order_on_real_rounds(small_trace):
+    """Rounds of a real sidecar run (LRU, three small tiers): for each, the order
+    returned (fast path when nothing waits) equals the general algorithm's."""
+    rounds: list[tuple[list[Move], list[int], list[int]]] = []
+    placement = Placement(TIERS, [8, 16, 64])
+    sidecar = Sidecar(make_policy("lru"), Planner(PlannerParams()), placement)
+
+    def record(event, moves, now_ms):
+        counts = [placement.count(t) for t in range(3)]
+        limits = [c + APPLY_HEADROOM_BLOCKS for c in placement.capacities]
+        rounds.append((net_moves(moves), counts, limits))
+
+    sidecar.hooks.append(record)
+    sidecar.run(FileSource(small_trace), batch_size=50)
+    assert len(rounds) > 50
+    waited = 0
+    for moves, counts, limits in rounds:
+        fast = order_for_room(moves, counts, limits)
+        assert fast == _general_order(moves, counts, limits)
+        waited += fast != moves
+    assert waited > 0  # some rounds needed reordering: the general path was exercised
+
+
+def test_planned_decisions_equal_checked_ones_and_unsound_moves_are_refused():
+    sink = ListSink()
+    maker = DecisionMaker(TIERS, sink, lambda: ("lru", "builtin"))
+    decisions = maker.make(
+        "r1",
+        [
+            Move(1, 2, 0, 0.5, "demand"),
+            Move(2, 0, 1, 0.1, "demote"),
+            Move(3, 2, NOWHERE, 0.0, "evict"),
+        ],
+        now_ms=10,
+    )
+    assert [Decision.from_dict(d.to_dict()) for d in decisions] == decisions
+    with pytest.raises(ValueError, match="score"):
+        maker.make("r2", [Move(4, 1, 0, float("nan"), "demand")], now_ms=11)
+    with pytest.raises(ValueError, match="faster"):
+        maker.make("r3", [Move(5, 0, 1, 0.0, "demand")], now_ms=12)  # a "promote" downwards
+    with pytest.raises(ValueError, match="fastest first"):
+        DecisionMaker(["dram", "hbm"], sink, lambda: ("lru", "builtin"))
