@@ -8,7 +8,8 @@ sequence in the same process, and to libCacheSim's LRU and LRB (C, one child pro
 each, their own timers) on that same sequence and capacity. For LightGBM it also
 prints the per-call cost of the tree evaluators side by side on the replay's own
 feature rows (``Booster.predict``, LightGBM's C API by ctypes, the numpy walk of
-``predictor.trees``) and where the replay's time goes (a profile).
+``predictor.trees``, the generated C of ``predictor.compiled_trees``, which the policy
+scores with) and where the replay's time goes (a profile).
 """
 
 from __future__ import annotations
@@ -18,9 +19,12 @@ import cProfile
 import io
 import pstats
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import click
+import numpy as np
 
 from benchmarks.traces import load_events
 from features.annotate import access_arrays
@@ -146,14 +150,24 @@ def _evaluators(policy: LearnedPolicy, events: list[BlocksAccessed]) -> str:
         f"\ntree evaluators on the replay's feature rows ({ensemble.num_trees} trees, "
         f"depth {ensemble.max_depth}), us per call (max abs diff vs Booster.predict):"
     ]
-    reference = booster.predict(x, num_threads=1)
-    evaluators = {
+    reference = np.asarray(booster.predict(x, num_threads=1))
+    evaluators: dict[str, Callable[[np.ndarray], Any]] = {
         "Booster.predict": lambda rows: booster.predict(rows, num_threads=1),
         "C API ForMat (ctypes)": lambda rows: predict_rows(booster, rows),
         "numpy tree walk": ensemble.predict,
     }
+    if policy.compiled is not None:
+        compiled, sigmoid = policy.compiled, ensemble.sigmoid
+        if ensemble.objective == "binary":
+            evaluators["compiled C (generated)"] = lambda rows: (
+                1.0 / (1.0 + np.exp(-sigmoid * compiled.predict_raw(rows)))
+            )
+        else:
+            evaluators["compiled C (generated)"] = compiled.predict_raw
+    else:
+        lines.append(f"  (not compiled: {policy.evaluator})")
     for name, fn in evaluators.items():
-        diff = float(abs(fn(x) - reference).max()) if x.shape[0] else 0.0
+        diff = float(np.abs(np.asarray(fn(x)) - reference).max()) if x.shape[0] else 0.0
         cells = []
         for n in (1, 16, 128, 1000):
             rows = x[:n]

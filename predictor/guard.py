@@ -245,7 +245,11 @@ class GuardedPolicy(Policy):
         return self.serving.prefetch_candidates(now_ms, limit)
 
     def online_status(self) -> dict[str, Any]:
+        candidates: dict[str, Any] = {}
+        for policy in self.candidates.values():
+            candidates.update(policy.online_status())
         return {
+            **candidates,
             "guard": {
                 "chosen": self.chosen,
                 "estimated_hit_ratio": self.estimates(),
@@ -253,7 +257,7 @@ class GuardedPolicy(Policy):
                 "sampled_accesses": self.num_sampled_accesses,
                 "sampling_rate": self.rate,
                 "capacity_blocks": self.params.capacity_blocks,
-            }
+            },
         }
 
     def save(self, directory: Any) -> Any:

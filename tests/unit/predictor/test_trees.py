@@ -75,6 +75,9 @@ def test_parsed_trees_equal_lightgbm_on_real_features(shared_trace: Path) -> Non
     expected = policy.booster.predict(x, num_threads=1)
     assert np.abs(policy.trees.predict(x) - expected).max() <= 1e-6
     assert np.abs(policy.predict_features(x) - expected).max() <= 1e-6
+    if policy.compiled is not None:  # what scores when a C compiler is at hand
+        raw = policy.booster.predict(x, raw_score=True, num_threads=1)
+        assert np.array_equal(policy.compiled.predict_raw(x), raw)
 
 
 # --- validation: one edited field per case, as a broken file or a bad upstream would ---
@@ -169,3 +172,111 @@ def test_policy_load_refuses_a_corrupt_model_file(ready_policy, tmp_path: Path) 
     path.write_text(_edit(path.read_text(), 0, "split_feature", _set(0, "4096")))
     with pytest.raises(PolicyLoadError, match=r"model\.txt.*tree 0 node 0: split_feature 4096"):
         LightGBMPolicy.load(tmp_path)
+
+
+# --- the compiled evaluator (predictor.compiled_trees) ---
+
+
+@pytest.fixture
+def tree_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    monkeypatch.setenv("KVWARM_CACHE_DIR", str(tmp_path))
+    monkeypatch.delenv("KVWARM_TREE_EVALUATOR", raising=False)
+    return tmp_path / "trees"
+
+
+needs_cc = pytest.mark.skipif(
+    __import__("shutil").which("cc") is None, reason="no C compiler on this machine"
+)
+
+
+@needs_cc
+def test_compiled_trees_equal_lightgbm_bit_for_bit(random_models, tree_cache: Path) -> None:
+    from predictor.compiled_trees import compile_ensemble, self_test_rows
+
+    for booster, x in random_models:
+        ensemble = parse_lightgbm_model(booster.model_to_string())
+        compiled = compile_ensemble(ensemble)
+        assert compiled is not None
+        for rows in (x, self_test_rows(8, seed=3), x[:1], x[:0]):
+            raw = compiled.predict_raw(rows)
+            assert np.array_equal(raw, booster.predict(rows, raw_score=True, num_threads=1))
+            assert np.array_equal(raw, ensemble.predict_raw(rows))
+    assert len(list(tree_cache.glob("trees-*.so"))) == len(random_models)
+
+
+@needs_cc
+def test_a_learned_policy_scores_with_the_compiled_trees_and_says_so(
+    tree_cache: Path, tmp_path: Path
+) -> None:
+    import copy
+
+    from predictor.compiled_trees import self_test_rows
+
+    policy = LightGBMPolicy()
+    width = len(policy.feature_names)
+    rng = np.random.default_rng(1)
+    x = rng.normal(size=(2000, width)).astype(np.float32)
+    y = (x[:, 0] + x[:, 1] > 0).astype(np.float32)
+    policy.fit(x[:1500], y[:1500], x[1500:], y[1500:])
+    assert policy.evaluator == "compiled"
+    loaded = copy.deepcopy(LightGBMPolicy.load(policy.save(tmp_path / "model")))
+    assert isinstance(loaded, LightGBMPolicy)
+    assert loaded.evaluator == "compiled" and loaded.compiled is not None
+    assert loaded.online_status() == {"evaluator": "compiled"}
+    rows = self_test_rows(width, seed=7)
+    assert loaded.booster is not None
+    expected = loaded.booster.predict(rows, num_threads=1)
+    assert np.abs(loaded.predict_features(rows) - expected).max() <= 1e-6
+
+
+@needs_cc
+def test_without_a_compiler_or_when_told_lightgbm_scores_and_health_says_why(
+    random_models, tree_cache: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from predictor import compiled_trees
+
+    ensemble = parse_lightgbm_model(random_models[0][0].model_to_string())
+    monkeypatch.setenv("CC", "no-such-compiler-kvwarm")
+    assert compiled_trees.compile_ensemble(ensemble) is None
+    assert "no-such-compiler-kvwarm" in compiled_trees.last_failure
+    monkeypatch.delenv("CC")
+    monkeypatch.setenv("KVWARM_TREE_EVALUATOR", "lightgbm")
+    assert compiled_trees.compile_ensemble(ensemble) is None
+    assert "KVWARM_TREE_EVALUATOR=lightgbm" in compiled_trees.last_failure
+
+
+@needs_cc
+def test_compiled_code_that_disagrees_with_the_trees_is_discarded(
+    random_models, tree_cache: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from predictor import compiled_trees
+
+    ensemble = parse_lightgbm_model(random_models[1][0].model_to_string())
+    right = compiled_trees.c_source
+    # A code generator bug: strict instead of <= at every split.
+    monkeypatch.setattr(
+        compiled_trees, "c_source", lambda e: right(e).replace("if (v <= ", "if (v < ")
+    )
+    assert compiled_trees.compile_ensemble(ensemble) is None
+    assert "self-test failed" in compiled_trees.last_failure
+
+
+@needs_cc
+def test_a_compiled_model_is_cached_and_loads_again_without_the_compiler(
+    random_models, tree_cache: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import subprocess
+
+    from predictor import compiled_trees
+
+    ensemble = parse_lightgbm_model(random_models[2][0].model_to_string())
+    assert compiled_trees.compile_ensemble(ensemble) is not None
+
+    def no_compiler(*args, **kwargs):
+        raise AssertionError("compiled again")
+
+    monkeypatch.setattr(subprocess, "run", no_compiler)
+    again = compiled_trees.compile_ensemble(ensemble)
+    assert again is not None
+    x = random_models[2][1]
+    assert np.array_equal(again.predict_raw(x), ensemble.predict_raw(x))
