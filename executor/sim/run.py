@@ -104,7 +104,11 @@ def run_requests(
     hits = [0] * len(executor.tier_names)
     hit_tokens = [0] * len(executor.tier_names)
     first_miss_of = [0] * n
-    below_hbm = [0] * n  # blocks of the cached prefix below HBM, before its decisions
+    # Blocks of the cached prefix in storage (below host memory) before its decisions:
+    # a blocking load reads them into host memory, then copies them to the GPU.
+    names = executor.tier_names
+    host = names.index("dram") if "dram" in names else len(names)
+    from_storage = [0] * n
     totals = {"accesses": 0, "prompt": 0, "output": 0, "computed": 0, "done": 0,
               "evicted_prefix": 0}  # fmt: skip
 
@@ -114,7 +118,7 @@ def run_requests(
         req = requests[i]
         first_miss, tiers = executor.cached_prefix(req.blocks)
         first_miss_of[i] = first_miss
-        below_hbm[i] = len(tiers) - tiers.count(0)
+        from_storage[i] = sum(1 for t in tiers if t > host)
         for t in tiers:
             hits[t] += 1
         cached = min(first_miss * block_tokens, req.prompt_tokens)
@@ -137,21 +141,22 @@ def run_requests(
     # Blocking loads: [end of the previous retrieve, latest read landed so far].
     retrieve = [0.0, 0.0]
 
-    def load(i: int, now_ms: float, below: int) -> float:
-        """When request i's cached prefix is in HBM; ``below``: how many of its blocks
-        were below HBM before its own decisions. Asynchronous loads: when the reads
+    def load(i: int, now_ms: float, staged: int) -> float:
+        """When request i's cached prefix is in HBM; ``staged``: how many of its blocks
+        were in storage before its own decisions. Asynchronous loads: when the reads
         (demand promotes, streams) land. Blocking loads are synchronous retrieves, as
         LMCache's without its async loading: one request after another (the connector
-        loops over a step's requests), each its own reads (the time its bytes took on
-        the FIFO device queue) then one copy of those blocks from host memory to the
-        GPU (``SimulatedExecutor.host_copy_done_ms``)."""
+        loops over a step's requests), each its own transfers (the time they took on
+        the FIFO queues: storage reads, and copies of blocks already in host memory)
+        then one copy of the blocks it read from storage into the GPU
+        (``SimulatedExecutor.host_copy_done_ms``)."""
         landed = executor.prefix_ready_ms(requests[i].blocks[: first_miss_of[i]], now_ms)
         if not blocking_loads:
             return landed
         previous_end, last_landed = retrieve
         reads = max(0.0, landed - max(now_ms, last_landed))
         retrieve[1] = max(last_landed, landed)
-        ready = executor.host_copy_done_ms(below, max(now_ms, previous_end) + reads)
+        ready = executor.host_copy_done_ms(staged, max(now_ms, previous_end) + reads)
         retrieve[0] = ready
         return ready
 
@@ -161,7 +166,7 @@ def run_requests(
         assert release is not None
         release(i, now_ms)
         cached = still_cached(i, cached)
-        return load(i, now_ms, below_hbm[i]), cached
+        return load(i, now_ms, from_storage[i]), cached
 
     arrivals: list[tuple[float, int]] = []
     next_index = 0
@@ -220,7 +225,7 @@ def run_requests(
             cached = lookup(i)
             on_arrival(i, t)
             cached = still_cached(i, cached)
-            load_ready: float | None = load(i, t, below_hbm[i])
+            load_ready: float | None = load(i, t, from_storage[i])
         else:
             on_arrival(i, t)
             load_ready, cached = None, 0

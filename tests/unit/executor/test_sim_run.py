@@ -128,7 +128,7 @@ def test_blocking_loads_are_retrieves_one_after_another_each_reads_then_copies()
         for i in range(2)
     ]
 
-    def ttft(link_bytes_per_s: float | None) -> np.ndarray:
+    def ttft(link_bytes_per_s: float | None, tier: str = "nvme") -> np.ndarray:
         p = profile
         if link_bytes_per_s is not None:
             p = p.with_tier(
@@ -139,7 +139,7 @@ def test_blocking_loads_are_retrieves_one_after_another_each_reads_then_copies()
             )
         executor = SimulatedExecutor(p, capacity_blocks={"hbm": 100, "dram": 100, "nvme": 100})
         for b in range(2 * blocks):
-            executor.place(b, "nvme", now_ms=0.0)
+            executor.place(b, tier, now_ms=0.0)
         return run_requests(
             requests, executor, on_arrival=lambda i, t: None, concurrency=2, blocking_loads=True
         ).ttft_ms
@@ -153,3 +153,6 @@ def test_blocking_loads_are_retrieves_one_after_another_each_reads_then_copies()
     copy_ms = blocks * size / 1e9 * 1000  # one request's copy at 1 GB/s
     # Each request's copy adds to its own retrieve: twice the copy, not once.
     assert slow[0] - fast[0] == pytest.approx(2 * copy_ms, rel=0.02)
+    # Blocks already in host memory take the copy once (no storage read to stage).
+    in_dram = ttft(1e9, tier="dram")
+    assert in_dram[0] == pytest.approx(2 * copy_ms, rel=0.05)
