@@ -7,11 +7,14 @@ copied into a temp dir so its tiers and journal land there). Time spent applying
 decisions (the executor sink's ``emit`` and ``flush``) is measured in wall and CPU
 seconds, with the number of journal fsyncs (serve's sink syncs the journal at each
 flush, before offsets commit); the engine stand-in's stores (``place_store``) are
-timed apart. The baseline, in the same process: the same run with the journal not
-fsynced at all (the most group commit could reach); optionally one fsync per journal
-record (as before group commit) on the first ``--baseline-events`` requests. A short
-untimed run first warms the process (imports, first calls), which would otherwise be
-charged to the first row.
+timed apart. Block files are group-committed (``group_commit_writes``: a batch's
+moves into the disk tier synced together, one directory fsync per group); the table
+shows the groups and the block writes in them. The baselines, in the same process: the
+same run with the journal not fsynced at all (the most journal group commit could
+reach); with each block file synced on its own (as before block group commit);
+optionally one fsync per journal record (as before journal group commit) on the first
+``--baseline-events`` requests. A short untimed run first warms the process (imports,
+first calls), which would otherwise be charged to the first row.
 """
 
 from __future__ import annotations
@@ -30,12 +33,14 @@ import click
 from benchmarks.traces import shared_trace_path
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
+_EACH_BLOCK = "per flush, each block"
+"""The row whose block files are synced one by one (no block group commit)."""
 
 
-def _write_config(src: Path, dst_dir: Path, journal: str) -> Path:
+def _write_config(src: Path, dst_dir: Path, journal: str, *, group_blocks: bool = True) -> Path:
     """``src`` with the journal mode set: "flush" or "batch" (group commit: fsync per
     flush of the sidecar, or per applied batch), "record" (fsync per record) or "off"
-    (no fsync)."""
+    (no fsync); ``group_blocks`` False: each block file synced on its own."""
     text = src.read_text()
     config = tomllib.loads(text)  # validate before editing
     if "executor" not in config:
@@ -43,7 +48,7 @@ def _write_config(src: Path, dst_dir: Path, journal: str) -> Path:
     lines = [
         ln
         for ln in text.splitlines()
-        if not ln.strip().startswith(("group_commit", "fsync_journal"))
+        if not ln.strip().startswith(("group_commit", "fsync_journal", "group_commit_writes"))
     ]
     out: list[str] = []
     for line in lines:
@@ -51,6 +56,7 @@ def _write_config(src: Path, dst_dir: Path, journal: str) -> Path:
         if line.strip() == "[executor]":
             out.append(f"fsync_journal = {'false' if journal == 'off' else 'true'}")
             out.append(f"group_commit = {'false' if journal == 'record' else 'true'}")
+            out.append(f"group_commit_writes = {'true' if group_blocks else 'false'}")
     path = dst_dir / "executor.toml"
     path.write_text("\n".join(out) + "\n")
     return path
@@ -111,7 +117,10 @@ def _run(
     finally:
         service.close()
     num = sum(n for (action, _), n in sink.outcomes.items() if action != "store")
+    executor_stats = executor.stats()
     return {
+        "groups": executor_stats.num_group_commits,
+        "grouped": executor_stats.num_group_committed_writes,
         "events": stats.events,
         "decisions": num,
         "stores": sum(n for (action, _), n in sink.outcomes.items() if action == "store"),
@@ -190,18 +199,20 @@ def bench_executor_apply(
     work = Path(tempfile.mkdtemp(prefix="kvwarm-bench-apply-", dir=workdir))
     try:
         runs: dict[str, list[dict[str, Any]]] = {}
+        # (label, requests, journal mode, block files group-committed)
         modes = [
-            ("per flush", events, "flush"),
-            ("per batch", events, "batch"),
-            ("no fsync", events, "off"),
+            ("per flush", events, "flush", True),
+            ("per batch", events, "batch", True),
+            ("no fsync", events, "off", True),
+            (_EACH_BLOCK, events, "flush", False),
         ]
-        schedule = [("warm-up", min(events, 50), "off")] + modes * repeats
+        schedule = [("warm-up", min(events, 50), "off", True)] + modes * repeats
         if baseline_events:
-            schedule.append(("per record", baseline_events, "record"))
-        for i, (label, n, journal) in enumerate(schedule):
-            run_dir = work / f"{i}-{label.replace(' ', '-')}"
+            schedule.append(("per record", baseline_events, "record", True))
+        for i, (label, n, journal, group_blocks) in enumerate(schedule):
+            run_dir = work / f"{i}-{label.replace(' ', '-').replace(',', '')}"
             run_dir.mkdir()
-            path = _write_config(config, run_dir, journal)
+            path = _write_config(config, run_dir, journal, group_blocks=group_blocks)
             result = _run(
                 path,
                 _head(trace, n, run_dir / "t.jsonl"),
@@ -221,7 +232,8 @@ def bench_executor_apply(
     click.echo(
         "decisions: promote/demote/evict applied by the executor; stores: blocks the "
         "engine stand-in wrote; per s: decisions per second of time spent applying them "
-        "(emit + flush); store s: time in the stores, apart."
+        "(emit + flush); store s: time in the stores, apart; groups: block-file group "
+        "commits (one directory fsync each), grouped: block writes in them."
     )
     click.echo(
         f"local executor from {config.name} in {work.parent}, {block_size_bytes} B blocks, "
@@ -229,14 +241,15 @@ def bench_executor_apply(
         "taken in turn"
     )
     click.echo(
-        f"{'journal fsync':>13} {'events':>7} {'decisions':>10} {'stores':>7} {'fsyncs':>7} {'wall s':>7} "
-        f"{'CPU s':>6} {'per s':>8} {'per CPU s':>10} {'store s':>8}"
+        f"{'journal fsync':>22} {'events':>7} {'decisions':>10} {'stores':>7} {'fsyncs':>7} "
+        f"{'groups':>7} {'grouped':>8} {'wall s':>7} {'CPU s':>6} {'per s':>8} "
+        f"{'per CPU s':>10} {'store s':>8}"
     )
     for label, r in rows:
         click.echo(
-            f"{label:>13} {r['events']:>7} {r['decisions']:>10} {r['stores']:>7} {r['fsyncs']:>7} "
-            f"{r['wall_s']:>7.2f} {r['cpu_s']:>6.2f} {r['per_s']:>8.0f} {r['per_cpu_s']:>10.0f} "
-            f"{r['store_s']:>8.2f}"
+            f"{label:>22} {r['events']:>7} {r['decisions']:>10} {r['stores']:>7} {r['fsyncs']:>7} "
+            f"{r['groups']:>7} {r['grouped']:>8} {r['wall_s']:>7.2f} {r['cpu_s']:>6.2f} "
+            f"{r['per_s']:>8.0f} {r['per_cpu_s']:>10.0f} {r['store_s']:>8.2f}"
         )
     by_label = dict(rows)
     base = by_label["no fsync"]["per_s"]
@@ -246,3 +259,9 @@ def bench_executor_apply(
                 f"journal fsynced {label} (group commit) / journal not fsynced: "
                 f"{by_label[label]['per_s'] / base:.2f}x decisions/s"
             )
+    each = by_label[_EACH_BLOCK]["per_s"]
+    if each:
+        click.echo(
+            "block files group-committed / each synced on its own (journal per flush): "
+            f"{by_label['per flush']['per_s'] / each:.2f}x decisions/s"
+        )

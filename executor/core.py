@@ -29,6 +29,16 @@ anywhere leaves the block in the source, or in both (recovery finishes the move)
 in the destination; never nowhere. Moves into volatile tiers (memory, GPU) lose the
 block on a crash by nature: only durable tiers keep blocks across restarts.
 
+Group commit of block writes (``group_commit_writes``): in ``apply``, the moves of a
+stretch into tiers that declare ``Tier.group_commits_writes`` (directory tiers) stop
+after writing their temp file (``Tier.stage_write``); once the stretch's moves have
+all run, each such tier commits its group at once (``Tier.commit_staged``: the files
+fsynced in parallel and renamed, one directory fsync), and only then are the sources
+discarded and the decisions journaled ``done``, in the caller's thread. The order per
+move is the one above, so recovery is unchanged. A block with a staged move is held
+by that ``apply`` until its commit: other calls that would change it wait (reads
+still get the source copy); ``apply`` calls run one at a time.
+
 Recovery on start: each tier rebuilds its index (temp files removed, every block's
 CRC32C checked with ``verify_on_recovery``, corrupt blocks quarantined); then moves
 the journal shows in flight are finished (block in both tiers: drop the source) or
@@ -48,8 +58,9 @@ import logging
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor, wait
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -67,6 +78,7 @@ from executor.tier import (
     Buffer,
     CorruptBlockError,
     RecoveryReport,
+    StagedWrite,
     Tier,
     TierError,
     TierFullError,
@@ -95,6 +107,11 @@ class ExecutorParams:
     """With ``fsync_journal``: one fsync per batch (the end of ``apply``, or ``sync()``
     called by whoever acknowledges decisions, e.g. before committing Kafka offsets)
     instead of one per record. Off: one fsync per record (~2 per move)."""
+    group_commit_writes: bool = True
+    """``apply`` commits a stretch's block writes into directory tiers as one group:
+    their files fsynced in parallel, one directory fsync, then the moves journaled done
+    (a 64 KiB block demoted to disk: ~0.2 ms instead of ~1 ms on this project's ext4 VM).
+    Off: each block file synced on its own, as ``write`` does."""
     progress_interval_s: float = 10.0
     """``apply`` of a long batch logs its progress (decisions done of total, rate)
     every this many seconds; 0: never."""
@@ -147,6 +164,24 @@ class ExecutorStats:
     num_corrupt_reads: int = 0
     bytes_moved: dict[tuple[str, str], int] = field(default_factory=dict)
     """(from tier, to tier) -> payload bytes moved."""
+    num_group_commits: int = 0
+    """Groups of staged block writes committed together (``group_commit_writes``): one
+    per destination tier per stretch of an ``apply`` that staged any."""
+    num_group_committed_writes: int = 0
+    """Block writes committed in those groups (the rest were committed one by one)."""
+
+
+@dataclass(eq=False)
+class _StagedMove:
+    """A move of ``apply`` stopped after staging its destination write; finished (or
+    failed) when the stretch's group commits."""
+
+    decision: Decision
+    key: str
+    src: str
+    dst: str
+    write: StagedWrite
+    start: float
 
 
 class Executor(protocol.Executor):
@@ -186,7 +221,13 @@ class Executor(protocol.Executor):
             for t in tiers
         }
         self._inline_tiers = {t.name for t in tiers if not t.blocking_io}
+        self._staging_tiers = {t.name for t in tiers if t.group_commits_writes}
         self._stripes = [threading.RLock() for _ in range(_NUM_LOCK_STRIPES)]
+        self._apply_lock = threading.Lock()
+        self._staged_keys: set[str] = set()
+        """Keys with a staged move (``group_commit_writes``): changed by nothing else
+        until their group commits. Added and removed under the key's stripe lock."""
+        self._staged_done = threading.Condition()
         self._index_lock = threading.Lock()
         self._where: dict[str, str] = {}
         self._lru: dict[str, OrderedDict[str, None]] = {name: OrderedDict() for name in names}
@@ -261,6 +302,8 @@ class Executor(protocol.Executor):
                 s.num_read_misses,
                 s.num_corrupt_reads,
                 dict(s.bytes_moved),
+                s.num_group_commits,
+                s.num_group_committed_writes,
             )
 
     # -- data path ------------------------------------------------------------------
@@ -291,7 +334,7 @@ class Executor(protocol.Executor):
     def _write(self, key: str, block: BlockId, data: Buffer, tier: str, crc: int | None) -> Outcome:
         size = data.nbytes if isinstance(data, memoryview) else len(data)
         start = time.perf_counter()
-        with self._lock_for(key):
+        with self._locked(key):
             target = self._tiers[tier]
             old = self._where.get(key)
             if old != tier and target.free_bytes < size:
@@ -335,18 +378,21 @@ class Executor(protocol.Executor):
         its room."""
         items = list(decisions)
         keys = [block_key(d.block_hash) for d in items]
-        outcomes: list[Outcome | None] = [None] * len(items)
+        outcomes: list[Outcome | _StagedMove | None] = [None] * len(items)
         num_done = [0]
         started = time.perf_counter()
         start = 0
-        while start < len(items):
-            end = self._fitting_stretch(items, keys, start)
-            self._apply_parallel(items, keys, range(start, end), outcomes, num_done, started)
-            start = end
+        # One batch at a time: a batch's pool tasks may wait for keys another batch
+        # has staged, whose own tasks could then be queued behind them.
+        with self._apply_lock:
+            while start < len(items):
+                end = self._fitting_stretch(items, keys, start)
+                self._apply_parallel(items, keys, range(start, end), outcomes, num_done, started)
+                start = end
         if self.sync_each_apply:
             # Group commit: one journal fsync for the whole batch.
             self.journal.sync()
-        return [o for o in outcomes if o is not None]
+        return [o for o in outcomes if isinstance(o, Outcome)]
 
     def sync(self) -> None:
         """Make every decision handled so far durable (one journal fsync, a no-op when
@@ -378,17 +424,21 @@ class Executor(protocol.Executor):
         items: list[Decision],
         keys: list[str],
         span: range,
-        outcomes: list[Outcome | None],
+        outcomes: list[Outcome | _StagedMove | None],
         num_done: list[int],
         started: float,
     ) -> None:
         groups: dict[str, list[int]] = {}
         for i in span:
             groups.setdefault(keys[i], []).append(i)
+        group_commit = self.params.group_commit_writes
 
         def run(indexes: list[int]) -> None:
             for i in indexes:
-                outcomes[i] = self._apply_one(items[i], keys[i])
+                # Only a block's last decision in the stretch may stage its move: the
+                # ones before it need the block where their move left it.
+                stage = group_commit and i == indexes[-1]
+                outcomes[i] = self._apply_one(items[i], keys[i], stage=stage)
                 num_done[0] += 1  # read only for progress: an approximate count is fine
 
         futures: list[Future[None]] = []
@@ -403,18 +453,45 @@ class Executor(protocol.Executor):
             pool = self._pools.get(pool_tier) or self._pools[self._order[0]]
             futures.append(pool.submit(run, indexes))
         try:
-            # Moves within host memory: here, while the pools do the I/O-bound ones.
-            interval_s = self.params.progress_interval_s
-            next_log = time.perf_counter() + interval_s
-            for indexes in inline:
-                run(indexes)
-                if interval_s and time.perf_counter() >= next_log:
-                    self._log_progress(num_done[0], len(items), started)
-                    next_log += interval_s
+            try:
+                # Moves within host memory: here, while the pools do the I/O-bound ones.
+                interval_s = self.params.progress_interval_s
+                next_log = time.perf_counter() + interval_s
+                for indexes in inline:
+                    run(indexes)
+                    if interval_s and time.perf_counter() >= next_log:
+                        self._log_progress(num_done[0], len(items), started)
+                        next_log += interval_s
+            finally:
+                self._wait_with_progress(futures, num_done, len(items), started)
         finally:
-            self._wait_with_progress(futures, num_done, len(items), started)
+            # Before the next stretch, which may need the room these moves free.
+            self._commit_staged_moves(outcomes, span)
         for future in futures:
             future.result()
+
+    def _commit_staged_moves(
+        self, outcomes: list[Outcome | _StagedMove | None], span: range
+    ) -> None:
+        """Commit the stretch's staged moves, one group per destination tier, then
+        finish each: drop the source, index the block, journal the decision done (or,
+        if its write failed, end the move: the block stays in its source)."""
+        by_tier: dict[str, list[int]] = {}
+        for i in span:
+            staged = outcomes[i]
+            if isinstance(staged, _StagedMove):
+                by_tier.setdefault(staged.dst, []).append(i)
+        for dst, indexes in by_tier.items():
+            moves = [outcomes[i] for i in indexes]
+            assert all(isinstance(m, _StagedMove) for m in moves)
+            group: list[_StagedMove] = moves  # type: ignore[assignment]
+            try:
+                errors = self._tiers[dst].commit_staged([m.write for m in group])
+            except Exception as exc:  # the tier reports errors per write; belt and braces
+                errors = [exc] * len(group)
+            self._count(num_group_commits=1, num_group_committed_writes=len(group))
+            for i, move, error in zip(indexes, group, errors, strict=True):
+                outcomes[i] = self._finish_staged(move, error)
 
     def _runs_inline(
         self, key: str, where: str | None, items: list[Decision], indexes: list[int]
@@ -430,10 +507,14 @@ class Executor(protocol.Executor):
             return False
         for i in indexes:
             d = items[i]
-            if (d.to_tier is not None and d.to_tier not in cheap) or (
-                d.from_tier is not None and d.from_tier not in cheap
-            ):
+            if d.from_tier is not None and d.from_tier not in cheap:
                 return False
+            if d.to_tier is not None and d.to_tier not in cheap:
+                # A staged move only writes its temp file (page cache): CPU work. Its
+                # fsync runs on the tier's sync threads; the group waits at the commit.
+                staged = i == indexes[-1] and self.params.group_commit_writes
+                if not (staged and d.to_tier in self._staging_tiers):
+                    return False
         return True
 
     def _wait_with_progress(
@@ -461,9 +542,13 @@ class Executor(protocol.Executor):
         )
 
     def apply_one(self, decision: Decision) -> Outcome:
-        return self._apply_one(decision, block_key(decision.block_hash))
+        out = self._apply_one(decision, block_key(decision.block_hash), stage=False)
+        assert isinstance(out, Outcome)
+        return out
 
-    def _apply_one(self, decision: Decision, key: str) -> Outcome:
+    def _apply_one(self, decision: Decision, key: str, *, stage: bool) -> Outcome | _StagedMove:
+        """``stage``: a move into a tier with ``group_commits_writes`` stops once its
+        write is staged; the caller commits it (``_commit_staged_moves``)."""
         did = decision.decision_id
         start = time.perf_counter()
         with self._ids_lock:
@@ -471,15 +556,15 @@ class Executor(protocol.Executor):
             if not duplicate:
                 self._inflight_ids.add(did)
         if duplicate:
-            out = self._outcome(
+            self._count_outcome("skipped")
+            return self._outcome(
                 did, "duplicate", "duplicate decision id", decision.block_hash, None, None, start
             )
-            self._count_outcome("skipped")
-            return out
+        result: Outcome | _StagedMove | None = None
         try:
-            out = self._apply(decision, key, start)
+            result = self._apply(decision, key, start, stage)
         except Exception as exc:  # an I/O error must not take the batch down
-            out = self._outcome(
+            result = self._outcome(
                 did,
                 "failed",
                 f"{type(exc).__name__}: {exc}",
@@ -489,20 +574,24 @@ class Executor(protocol.Executor):
                 start,
             )
         finally:
-            with self._ids_lock:
-                self._inflight_ids.discard(did)
+            if not isinstance(result, _StagedMove):  # in flight until its group commits
+                with self._ids_lock:
+                    self._inflight_ids.discard(did)
+        if isinstance(result, _StagedMove):
+            return result
+        out = result
         if out.status != "failed":
             self.journal.decision_done(did, out.status)
         self._count_outcome(out.status if out.status in ("applied", "failed") else "skipped")
         return out
 
-    def _apply(self, d: Decision, key: str, start: float) -> Outcome:
+    def _apply(self, d: Decision, key: str, start: float, stage: bool) -> Outcome | _StagedMove:
         did, block = d.decision_id, d.block_hash
         if d.deadline_ms is not None and self._clock_ms() > d.deadline_ms:
             return self._outcome(
                 did, "expired", "deadline passed", block, d.from_tier, d.to_tier, start
             )
-        with self._lock_for(key):
+        with self._locked(key):
             where = self._where.get(key)
 
             def skip(status: OutcomeStatus, reason: str) -> Outcome:
@@ -556,12 +645,21 @@ class Executor(protocol.Executor):
                     )
                 if wait_s > 0:
                     time.sleep(wait_s)
-            status, reason, moved = self._move(key, where, d.to_tier, did)
+            stage = stage and self._tiers[d.to_tier].group_commits_writes
+            result = self._move(key, where, d.to_tier, did, stage)
+            if isinstance(result, StagedWrite):
+                self._staged_keys.add(key)
+                return _StagedMove(d, key, where, d.to_tier, result, start)
+            status, reason, moved = result
             return self._outcome(did, status, reason, block, where, d.to_tier, start, moved)
 
     # -- moves ------------------------------------------------------------------------
-    def _move(self, key: str, src: str, dst: str, move_id: str) -> tuple[OutcomeStatus, str, int]:
-        """Move one block; the caller holds its stripe lock. Returns (status, reason, bytes)."""
+    def _move(
+        self, key: str, src: str, dst: str, move_id: str, stage: bool = False
+    ) -> tuple[OutcomeStatus, str, int] | StagedWrite:
+        """Move one block; the caller holds its stripe lock. Returns (status, reason,
+        bytes); with ``stage``, a staged destination write instead of the move's end
+        (the caller commits it, then finishes the move with ``_finish_staged``)."""
         if src == dst:
             # Recovery of such a move would drop "the source", the only copy.
             return "stale", f"source and destination are both {src}", 0
@@ -584,6 +682,10 @@ class Executor(protocol.Executor):
                 status = "refused_full"
                 return status, f"no room in {dst}", 0
             try:
+                if stage:
+                    staged = target.stage_write(key, data, checksum=crc)
+                    status = "applied"  # so far: the move's end comes after the commit
+                    return staged
                 target.write(key, data, checksum=crc)
             except TierFullError as exc:
                 status = "refused_full"
@@ -603,7 +705,63 @@ class Executor(protocol.Executor):
             if status == "failed":
                 self.journal.end_move(move_id)
 
+    def _finish_staged(self, move: _StagedMove, error: Exception | None) -> Outcome:
+        """End a staged move after its group commit: as ``_move`` and ``_apply_one``
+        end an unstaged one. ``error``: its write failed (nothing of it was left)."""
+        d, key, src, dst = move.decision, move.key, move.src, move.dst
+        size = move.write.size_bytes
+        with self._lock_for(key):
+            try:
+                if error is None:
+                    # The destination copy is durable under its name: drop the source.
+                    self._tiers[src].discard(key)
+                    self._index(key, dst, old=src)
+                    with self._stats_lock:
+                        moved = self._stats.bytes_moved
+                        moved[(src, dst)] = moved.get((src, dst), 0) + size
+                    out = self._outcome(
+                        d.decision_id, "applied", "", d.block_hash, src, dst, move.start, size
+                    )
+                else:
+                    self.journal.end_move(d.decision_id)
+                    out = self._outcome(
+                        d.decision_id,
+                        "failed",
+                        f"write to {dst} failed: {error}",
+                        d.block_hash,
+                        src,
+                        dst,
+                        move.start,
+                    )
+            finally:
+                with self._staged_done:
+                    self._staged_keys.discard(key)
+                    self._staged_done.notify_all()
+        if out.status != "failed":
+            self.journal.decision_done(d.decision_id, out.status)
+        with self._ids_lock:
+            self._inflight_ids.discard(d.decision_id)
+        self._count_outcome(out.status)
+        return out
+
     # -- index ------------------------------------------------------------------------
+    @contextmanager
+    def _locked(self, key: str) -> Iterator[None]:
+        """Hold ``key``'s stripe lock, once no staged move holds the key (its group
+        commit releases it)."""
+        lock = self._lock_for(key)
+        while True:
+            lock.acquire()
+            if key not in self._staged_keys:
+                break
+            lock.release()
+            with self._staged_done:
+                self._staged_done.wait_for(lambda: key not in self._staged_keys)
+        try:
+            yield
+        finally:
+            lock.release()
+
     def _lock_for(self, key: str) -> threading.RLock:
         # str hashes are cached in the string and fixed for the process: all a stripe needs.
         return self._stripes[hash(key) % _NUM_LOCK_STRIPES]

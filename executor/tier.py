@@ -14,6 +14,16 @@ Primitives (all thread-safe; ``block_id`` is an int hash or a safe string id, se
 - ``discard(block_id) -> bool``: drop it (True if it was here).
 - ``used_bytes`` / ``capacity_bytes``: payload bytes held / allowed.
 
+Group commit (a batch of writes made durable together, fewer syncs than one by one):
+``stage_write(block_id, data, checksum=None) -> StagedWrite`` reserves room and
+writes the payload where no reader sees it (``TierFullError`` as ``write``); then
+``commit_staged(staged)`` makes a group durable and visible, together, reporting
+each write's error or None; ``abort_staged(staged)`` drops them. Every tier
+supports it (by default a staged write holds its payload and commits it as ``write``
+does); tiers whose writes cost less together declare ``group_commits_writes``
+(directory tiers: the group's files synced in parallel, one directory sync per
+group), and the executor stages a batch's moves into those.
+
 Helpers with default implementations: ``read_with_checksum`` (moves pass the
 source's CRC32C on to the destination so it is computed once), ``block_keys``, ``size_of``,
 ``recover`` (called once at executor start: drop temp files, rebuild the index,
@@ -29,8 +39,9 @@ from __future__ import annotations
 
 import threading
 from abc import ABC, abstractmethod
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import ClassVar
+from typing import ClassVar, cast
 
 from executor.block_ids import BlockId, block_key
 from executor.crc import checksum as checksum  # re-exported for the tiers
@@ -109,6 +120,18 @@ class RecoveryReport:
     quarantined: list[str] = field(default_factory=list)
 
 
+@dataclass(eq=False)
+class StagedWrite:
+    """A block written by ``Tier.stage_write`` and not yet committed: room is
+    reserved for it, readers do not see it. Pass it to ``commit_staged`` or
+    ``abort_staged`` of the same tier, once."""
+
+    key: str
+    size_bytes: int
+    handle: object = None
+    """The tier's own (a directory tier: the temp file's path)."""
+
+
 class Tier(ABC):
     """Base class: holds the name, params and the capacity bookkeeping.
 
@@ -125,6 +148,10 @@ class Tier(ABC):
     executor runs such moves in the tier's thread pool, in parallel. False (host
     memory): a move of a small block costs less than handing it to a thread, so the
     executor runs it in the caller's thread."""
+    group_commits_writes: ClassVar[bool] = False
+    """True when committing staged writes as a group (``stage_write`` each, then one
+    ``commit_staged``) costs less than as many ``write``s, e.g. fewer syncs; the
+    executor then stages a batch's moves into this tier and commits them together."""
 
     def __init__(self, name: str, params: TierParams) -> None:
         self.name = check_tier_name(name)
@@ -184,12 +211,7 @@ class Tier(ABC):
         value makes the block read as corrupt, never silently wrong."""
         key = self._key(block_id)
         size = len(data) if not isinstance(data, memoryview) else data.nbytes
-        with self._lock:
-            old = self._sizes.get(key, 0)
-            free = self.capacity_bytes - self._used_bytes - self._reserved_bytes + old
-            if size > free:
-                raise TierFullError(self.name, key, size, free)
-            self._reserved_bytes += size
+        self._reserve(key, size)
         committed = False
         try:
             self._commit(key, data, checksum)
@@ -200,6 +222,50 @@ class Tier(ABC):
                 if committed:
                     self._used_bytes += size - self._sizes.get(key, 0)
                     self._sizes[key] = size
+
+    def stage_write(
+        self, block_id: BlockId, data: Buffer, checksum: int | None = None
+    ) -> StagedWrite:
+        """First half of a group-committed ``write``: reserve room (``TierFullError``
+        when there is none) and write the payload where no reader sees it. Nothing is
+        committed until ``commit_staged``; a failure here leaves nothing behind."""
+        key = self._key(block_id)
+        size = len(data) if not isinstance(data, memoryview) else data.nbytes
+        self._reserve(key, size)
+        try:
+            handle = self._stage(key, data, checksum)
+        except BaseException:
+            with self._lock:
+                self._reserved_bytes -= size
+            raise
+        return StagedWrite(key, size, handle)
+
+    def commit_staged(self, staged: Sequence[StagedWrite]) -> list[Exception | None]:
+        """Second half: make every staged write durable and visible, together. One
+        entry per write, in order: None when it is committed (as ``write`` would have
+        left it), else its error (nothing of it left behind)."""
+        unfinished = RuntimeError("the group commit did not finish")
+        errors: list[Exception | None] = [unfinished] * len(staged)
+        try:
+            if staged:
+                errors = self._commit_staged(staged)
+        finally:
+            with self._lock:
+                for s, error in zip(staged, errors, strict=True):
+                    self._reserved_bytes -= s.size_bytes
+                    if error is None:
+                        self._used_bytes += s.size_bytes - self._sizes.get(s.key, 0)
+                        self._sizes[s.key] = s.size_bytes
+        return errors
+
+    def abort_staged(self, staged: Sequence[StagedWrite]) -> None:
+        """Drop staged writes without committing them."""
+        try:
+            self._abort_staged(staged)
+        finally:
+            with self._lock:
+                for s in staged:
+                    self._reserved_bytes -= s.size_bytes
 
     def discard(self, block_id: BlockId) -> bool:
         key = self._key(block_id)
@@ -222,6 +288,38 @@ class Tier(ABC):
         return f"{type(self).__name__}({self.name!r}, {self.params!r})"
 
     # -- for subclasses ---------------------------------------------------------
+    def _reserve(self, key: str, size: int) -> None:
+        """Reserve ``size`` bytes for a write of ``key`` (replacing its old copy)."""
+        with self._lock:
+            old = self._sizes.get(key, 0)
+            free = self.capacity_bytes - self._used_bytes - self._reserved_bytes + old
+            if size > free:
+                raise TierFullError(self.name, key, size, free)
+            self._reserved_bytes += size
+
+    def _stage(self, key: str, data: Buffer, crc: int | None) -> object:
+        """Write a payload that ``_commit_staged`` will commit; returns the tier's
+        handle for it. Default: hold the payload (a copy of a mutable buffer, which
+        the caller may reuse) for ``_commit`` at commit time."""
+        immutable = isinstance(data, bytes) or (isinstance(data, memoryview) and data.readonly)
+        return (data if immutable else bytes(data), crc)
+
+    def _commit_staged(self, staged: Sequence[StagedWrite]) -> list[Exception | None]:
+        """Commit staged writes together; per write None or its error. Default: one
+        ``_commit`` each."""
+        errors: list[Exception | None] = []
+        for s in staged:
+            data, crc = cast("tuple[Buffer, int | None]", s.handle)  # from the default _stage
+            try:
+                self._commit(s.key, data, crc)
+                errors.append(None)
+            except Exception as exc:  # reported for this write; the others go on
+                errors.append(exc)
+        return errors
+
+    def _abort_staged(self, staged: Sequence[StagedWrite]) -> None:  # noqa: B027
+        """Remove what ``_stage`` left. Default: nothing (it only held the payload)."""
+
     def _key(self, block_id: BlockId) -> str:
         """``block_key(block_id)``; a key this tier holds was checked when it came in
         (written, or found by ``recover``), so the executor's calls with keys skip the
