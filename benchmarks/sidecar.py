@@ -148,6 +148,7 @@ class PacedSource:
         self.start_s: float | None = None
         self.pending_arrivals_s: list[float] = []
         self.latencies_s: list[float] = []
+        self.num_dead_lettered = 0
 
     @property
     def exhausted(self) -> bool:
@@ -177,11 +178,15 @@ class PacedSource:
         self.latencies_s.extend(now - a for a in self.pending_arrivals_s)
         self.pending_arrivals_s.clear()
 
+    def dead_letter(self, event: Any, reason: str, error: str) -> None:
+        """An event the sidecar could not handle: counted (a benchmark keeps no file)."""
+        self.num_dead_lettered += 1
+
     def close(self) -> None:
         return None
 
     def stats(self) -> dict[str, Any]:
-        return {"events": self.next_index}
+        return {"events": self.next_index, "dead_lettered": self.num_dead_lettered}
 
 
 def open_loop(

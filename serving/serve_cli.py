@@ -390,6 +390,9 @@ class Service:
         self.sidecar.observe_score = self.metrics.scoring_seconds.observe
         if settings.executor_endpoint.scheme == "sim":
             # The simulated links' prefetch budget, asked by the planner (as in replay).
+            from executor.sim import SimulatedExecutor
+
+            assert isinstance(self.executor, SimulatedExecutor)
             self.sidecar.prefetch_admit = self.executor.admit_prefetch
         self.sidecar.wrap_policy = self._guarded
         self.models.attach(self.sidecar)

@@ -19,6 +19,7 @@ the README table unchanged.
 from __future__ import annotations
 
 import copy
+import functools
 import hashlib
 import logging
 import time
@@ -269,7 +270,7 @@ def run_comparison(
             )
             report.tiered.extend(
                 tiered_rows(
-                    lambda name, capacity=capacity: fresh(name, capacity),
+                    functools.partial(fresh, capacity_blocks=capacity),
                     config.policies,
                     test,
                     setup,
