@@ -562,28 +562,30 @@ class Executor(protocol.Executor):
             )
         result: Outcome | _StagedMove | None = None
         try:
-            result = self._apply(decision, key, start, stage)
-        except Exception as exc:  # an I/O error must not take the batch down
-            result = self._outcome(
-                did,
-                "failed",
-                f"{type(exc).__name__}: {exc}",
-                decision.block_hash,
-                None,
-                None,
-                start,
-            )
+            try:
+                result = self._apply(decision, key, start, stage)
+            except Exception as exc:  # an I/O error must not take the batch down
+                result = self._outcome(
+                    did,
+                    "failed",
+                    f"{type(exc).__name__}: {exc}",
+                    decision.block_hash,
+                    None,
+                    None,
+                    start,
+                )
+            if isinstance(result, _StagedMove):
+                return result  # in flight until its group commits
+            if result.status != "failed":
+                # Journalled before the id leaves the in-flight set: a duplicate
+                # arriving in between finds one or the other, never neither.
+                self.journal.decision_done(did, result.status)
         finally:
-            if not isinstance(result, _StagedMove):  # in flight until its group commits
+            if not isinstance(result, _StagedMove):
                 with self._ids_lock:
                     self._inflight_ids.discard(did)
-        if isinstance(result, _StagedMove):
-            return result
-        out = result
-        if out.status != "failed":
-            self.journal.decision_done(did, out.status)
-        self._count_outcome(out.status if out.status in ("applied", "failed") else "skipped")
-        return out
+        self._count_outcome(result.status if result.status in ("applied", "failed") else "skipped")
+        return result
 
     def _apply(self, d: Decision, key: str, start: float, stage: bool) -> Outcome | _StagedMove:
         did, block = d.decision_id, d.block_hash

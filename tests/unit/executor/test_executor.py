@@ -289,3 +289,26 @@ def test_journal_compacts_itself_and_keeps_ids_pins_and_pending(tmp_path: Path) 
     assert [d for d in ("d16", "d17", "d18", "d19") if reopened.is_done(d)] == ["d17", "d18", "d19"]
     assert reopened.pins == {"k9"} and list(reopened.pending) == ["m0"]
     reopened.close()
+
+
+def test_a_duplicate_arriving_while_the_first_is_journalled_is_not_applied_again(
+    tmp_path: Path, payload: Payload
+) -> None:
+    """The window between a decision's move and its done record: a duplicate of it
+    arriving there (another thread's apply) must find the id in flight. Simulated by
+    delivering the duplicate from inside the journal's done call."""
+    ex = make_executor(tmp_path)
+    assert ex.write(1, payload(1, 8 * KB), "nvme").status == "applied"
+    decision = decide(1, "promote", "dram")
+    seen: list[str] = []
+    done = ex.journal.decision_done
+
+    def duplicate_arrives(did: str, status: str) -> None:
+        if not seen:
+            seen.append(ex.apply_one(decision).status)
+        done(did, status)
+
+    ex.journal.decision_done = duplicate_arrives  # type: ignore[method-assign]
+    assert ex.apply_one(decision).status == "applied"
+    assert seen == ["duplicate"]
+    assert ex.locate(1) == "dram"
