@@ -23,11 +23,13 @@ over ``MAX_NODES`` nodes, ``KVWARM_TREE_EVALUATOR=lightgbm``, or a failed self-t
 
 Libraries are cached by the hash of their source under ``$KVWARM_CACHE_DIR/trees``
 (default ``~/.cache/kvwarm/trees``; a temporary directory when that is not writable),
-so loading the same model again costs no compile.
+so loading the same model again costs no compile; the ``MAX_CACHED_LIBRARIES`` most
+recently used are kept.
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import hashlib
 import logging
@@ -47,6 +49,8 @@ log = logging.getLogger(__name__)
 MAX_NODES = 2_000_000
 """Larger models stay on LightGBM's predictor (source and compile time grow with nodes)."""
 COMPILE_TIMEOUT_S = 120.0
+MAX_CACHED_LIBRARIES = 64
+"""The cache keeps the most recently used libraries; older ones are deleted on a compile."""
 SELF_TEST_ROWS = 512
 EVALUATOR_ENV = "KVWARM_TREE_EVALUATOR"
 """``compiled`` (default: compiled when possible) or ``lightgbm`` (never compile)."""
@@ -170,6 +174,18 @@ def _cache_dir() -> Path:
         return fallback
 
 
+def _prune(directory: Path, keep: Path) -> None:
+    """Delete all but the ``MAX_CACHED_LIBRARIES`` most recently used libraries (a
+    process that has one loaded keeps its mapping; only the file goes)."""
+    with contextlib.suppress(OSError):
+        libraries = sorted(
+            directory.glob("trees-*.so"), key=lambda p: p.stat().st_mtime, reverse=True
+        )
+        for old in libraries[MAX_CACHED_LIBRARIES:]:
+            if old != keep:
+                old.unlink(missing_ok=True)
+
+
 def _fail(why: str) -> None:
     global last_failure
     last_failure = why
@@ -209,6 +225,10 @@ def compile_ensemble(ensemble: TreeEnsemble) -> CompiledTrees | None:
                 _fail(f"compiler exit {done.returncode}: {done.stderr.strip()[:300]}")
                 return None
             os.replace(out, library)  # atomic: another process may be loading it
+        _prune(directory, keep=library)
+    else:
+        with contextlib.suppress(OSError):
+            os.utime(library)  # recently used: pruned last
     try:
         compiled = CompiledTrees(library, ensemble.num_features)
     except OSError as exc:

@@ -280,3 +280,26 @@ def test_a_compiled_model_is_cached_and_loads_again_without_the_compiler(
     assert again is not None
     x = random_models[2][1]
     assert np.array_equal(again.predict_raw(x), ensemble.predict_raw(x))
+
+
+@needs_cc
+def test_the_library_cache_keeps_the_most_recently_used(
+    random_models, tree_cache: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import hashlib
+    import os
+
+    from predictor import compiled_trees
+
+    monkeypatch.setattr(compiled_trees, "MAX_CACHED_LIBRARIES", 2)
+    ensembles = [parse_lightgbm_model(b.model_to_string()) for b, _ in random_models[:3]]
+    for ensemble in ensembles:
+        assert compiled_trees.compile_ensemble(ensemble) is not None
+        for lib in tree_cache.glob("trees-*.so"):  # make mtimes distinct and ordered
+            os.utime(lib, (lib.stat().st_mtime - 10, lib.stat().st_mtime - 10))
+    assert len(list(tree_cache.glob("trees-*.so"))) == 2
+    digest = hashlib.sha256(compiled_trees.c_source(ensembles[0]).encode()).hexdigest()[:32]
+    assert not (tree_cache / f"trees-{digest}.so").exists()  # the least recently used
+    # The first model's library went; compiling it again works (and evicts another).
+    assert compiled_trees.compile_ensemble(ensembles[0]) is not None
+    assert len(list(tree_cache.glob("trees-*.so"))) == 2
