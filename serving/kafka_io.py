@@ -747,10 +747,12 @@ class SupportsToDict(Protocol):
 
 class KafkaDecisionSink(_Producer):
     """Decisions to a Kafka topic. ``decision_format`` ``native``: batched, one record
-    per ``emit`` call (the loop emits once per request and once per prefetch round),
-    value = JSON array of the decisions, key = the first one's block hash (decimal); a
-    batch of more than ``max_decisions_per_record`` is cut into several records (each
+    per flush (the loop flushes once per poll, before committing its offsets), value =
+    JSON array of the decisions in emit order, key = the first one's block hash
+    (decimal); every ``max_decisions_per_record`` decisions start a new record (each
     stays far below the broker's 1 MB message limit: a decision is ~250 bytes of JSON).
+    One record per poll instead of per request: kafka-python wakes its sender thread
+    for each record, and that hand-off, not the bytes, is what a record costs.
     ``kvhints``: key = message id, value = a hint envelope (``executor.kvhints``).
 
     Accepts dicts or objects with ``to_dict()``. ``emit`` only queues; ``flush`` is
@@ -808,6 +810,8 @@ class KafkaDecisionSink(_Producer):
             self._ack_thread.start()
         self.max_decisions_per_record = max_decisions_per_record
         self.num_decisions = 0
+        self._pending: list[Mapping[str, Any] | Decision] = []
+        self._pending_key: object = None
 
     def emit(self, decisions: Iterable[Mapping[str, Any] | SupportsToDict]) -> int:
         """Queue decisions for sending (native: one record per chunk); returns how many."""
@@ -820,24 +824,36 @@ class KafkaDecisionSink(_Producer):
                 self._send(key, value)
             self.num_decisions += len(typed)
             return len(typed)
-        batch: list[Mapping[str, Any]] = []
+        batch = self._pending
         count = 0
         for decision in decisions:
-            record = decision if isinstance(decision, Mapping) else decision.to_dict()
-            if record.get("block_hash") is None:
-                raise ValueError(
-                    f"a decision needs a block_hash to key it by, got {dict(record)!r:.200}"
-                )
+            block: object
+            if isinstance(decision, Decision):  # msgspec encodes it as its to_dict()
+                block = decision.block_hash
+                record: Mapping[str, Any] | Decision = decision
+            else:
+                record = decision if isinstance(decision, Mapping) else decision.to_dict()
+                block = record.get("block_hash")
+                if block is None:
+                    raise ValueError(
+                        f"a decision needs a block_hash to key it by, got {dict(record)!r:.200}"
+                    )
+            if not batch:
+                self._pending_key = block
             batch.append(record)
+            count += 1
             if len(batch) >= self.max_decisions_per_record:
-                self._send_batch(batch)
-                count += len(batch)
-                batch = []
-        if batch:
-            self._send_batch(batch)
-            count += len(batch)
+                self._send_pending()
+                batch = self._pending
         self.num_decisions += count
         return count
+
+    def flush(self, timeout_s: float | None = None) -> None:
+        """Send the decisions queued since the last flush (one record per
+        ``max_decisions_per_record``), then wait until every record is delivered."""
+        if self._pending:
+            self._send_pending()
+        super().flush(timeout_s)
 
     def _read_acks(self, consumer: KafkaConsumer) -> None:
         """Count acknowledgements until ``close``; a malformed one counts as malformed."""
@@ -867,8 +883,9 @@ class KafkaDecisionSink(_Producer):
                 self._ack_thread.join(timeout=timeout_s)
                 self._ack_thread = None
 
-    def _send_batch(self, batch: list[Mapping[str, Any]]) -> None:
-        self._send(str(batch[0]["block_hash"]).encode(), msgspec.json.encode(batch))
+    def _send_pending(self) -> None:
+        batch, self._pending = self._pending, []
+        self._send(str(self._pending_key).encode(), msgspec.json.encode(batch))
 
     def __enter__(self) -> KafkaDecisionSink:
         return self

@@ -105,19 +105,27 @@ def test_decision_sink_keys_by_block_hash(
         def to_dict(self) -> dict:
             return {"decision_id": f"d{self.i}", "block_hash": 1000 + self.i, "action": "promote"}
 
+    from executor.decision import Decision as TypedDecision
+
     decisions = [
         {"decision_id": f"m{i}", "block_hash": 2**64 - 1 - i, "action": "demote"} for i in range(50)
     ]
+    typed = [TypedDecision(f"t{i}", 5, 77 + i, "evict", "nvme") for i in range(3)]
     with KafkaDecisionSink(kafka_bootstrap, topic) as sink:
         assert sink.emit(decisions) == 50
+        sink.flush()
+        # Emits between two flushes (the requests of one poll) make one record.
         assert sink.emit(Decision(i) for i in range(50)) == 50
+        assert sink.emit(typed) == 3
         sink.flush()
     records = read_topic(kafka_bootstrap, topic)
-    # One record per emit, keyed by its first decision's block hash.
+    # One record per flush, keyed by its first decision's block hash.
     assert len(records) == 2
     by_key = {r.key: decode_decision_record(r.value) for r in records}
     assert by_key[str(2**64 - 1).encode()] == decisions
-    assert by_key[b"1000"] == [Decision(i).to_dict() for i in range(50)]
+    assert by_key[b"1000"] == [Decision(i).to_dict() for i in range(50)] + [
+        d.to_dict() for d in typed
+    ]
     assert (
         json.loads(next(r.value for r in records if r.key == b"1000"))[7] == Decision(7).to_dict()
     )
@@ -125,11 +133,16 @@ def test_decision_sink_keys_by_block_hash(
     chunked = topic + "-chunked"
     ensure_topics(kafka_bootstrap, {chunked: 1})
     with KafkaDecisionSink(kafka_bootstrap, chunked, max_decisions_per_record=20) as sink:
-        assert sink.emit(decisions) == 50
+        assert sink.emit(decisions[:15]) == 15
+        assert sink.emit(decisions[15:30]) == 15
+        assert sink.emit(decisions[30:]) == 20
         sink.flush()
     records = read_topic(kafka_bootstrap, chunked)
     assert [len(decode_decision_record(r.value)) for r in records] == [20, 20, 10]
     assert [d for r in records for d in decode_decision_record(r.value)] == decisions
+    assert [r.key for r in records] == [
+        str(decisions[i]["block_hash"]).encode() for i in (0, 20, 40)
+    ]
 
 
 def test_unreachable_broker_names_the_address() -> None:
