@@ -8,8 +8,8 @@ Primitives:
   committed. Payloads are decoded by ``features.decoders.decode_message``; a message
   that fails goes, unchanged, to a dead-letter topic with headers naming the reason
   and its source topic/partition/offset, and is counted.
-- ``KafkaDecisionSink``: decisions out, idempotent producer, one record per ``emit``
-  (a request's or a prefetch round's decisions; chunks of at most
+- ``KafkaDecisionSink``: decisions out, idempotent producer, one record per flush
+  (the decisions of one poll's requests and prefetch rounds; chunks of at most
   ``max_decisions_per_record``): value = a JSON array of decisions, key = the first
   decision's block hash. ``decode_decision_record`` reads one back (an array, or a
   single decision object as older kvwarm wrote). One record per decision cost
@@ -814,7 +814,8 @@ class KafkaDecisionSink(_Producer):
         self._pending_key: object = None
 
     def emit(self, decisions: Iterable[Mapping[str, Any] | SupportsToDict]) -> int:
-        """Queue decisions for sending (native: one record per chunk); returns how many."""
+        """Queue decisions; native: sent at ``flush`` (or as soon as a record's worth,
+        ``max_decisions_per_record``, is queued). Returns how many."""
         if self.format.name != "native":
             typed = [
                 d if isinstance(d, Decision) else Decision.from_dict(dict(d))  # type: ignore[arg-type]
