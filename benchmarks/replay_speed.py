@@ -157,13 +157,10 @@ def _evaluators(policy: LearnedPolicy, events: list[BlocksAccessed]) -> str:
         "numpy tree walk": ensemble.predict,
     }
     if policy.compiled is not None:
-        compiled, sigmoid = policy.compiled, ensemble.sigmoid
-        if ensemble.objective == "binary":
-            evaluators["compiled C (generated)"] = lambda rows: (
-                1.0 / (1.0 + np.exp(-sigmoid * compiled.predict_raw(rows)))
-            )
-        else:
-            evaluators["compiled C (generated)"] = compiled.predict_raw
+        compiled = policy.compiled
+        evaluators["compiled C (generated)"] = lambda rows: ensemble.transform(
+            compiled.predict_raw(rows)
+        )
     else:
         lines.append(f"  (not compiled: {policy.evaluator})")
     for name, fn in evaluators.items():

@@ -560,32 +560,40 @@ class Executor(protocol.Executor):
             return self._outcome(
                 did, "duplicate", "duplicate decision id", decision.block_hash, None, None, start
             )
-        result: Outcome | _StagedMove | None = None
+        result: Outcome | _StagedMove
         try:
-            try:
-                result = self._apply(decision, key, start, stage)
-            except Exception as exc:  # an I/O error must not take the batch down
-                result = self._outcome(
-                    did,
-                    "failed",
-                    f"{type(exc).__name__}: {exc}",
-                    decision.block_hash,
-                    None,
-                    None,
-                    start,
-                )
-            if isinstance(result, _StagedMove):
-                return result  # in flight until its group commits
-            if result.status != "failed":
-                # Journalled before the id leaves the in-flight set: a duplicate
-                # arriving in between finds one or the other, never neither.
-                self.journal.decision_done(did, result.status)
+            result = self._apply(decision, key, start, stage)
+        except Exception as exc:  # an I/O error must not take the batch down
+            result = self._outcome(
+                did,
+                "failed",
+                f"{type(exc).__name__}: {exc}",
+                decision.block_hash,
+                None,
+                None,
+                start,
+            )
+        except BaseException:
+            with self._ids_lock:
+                self._inflight_ids.discard(did)
+            raise
+        if isinstance(result, _StagedMove):
+            return result  # in flight until its group commits
+        return self._conclude(result)
+
+    def _conclude(self, out: Outcome) -> Outcome:
+        """A decision's end: journalled done (unless it failed), then out of the
+        in-flight set (in that order: a duplicate arriving in between finds one or the
+        other, never neither), then counted."""
+        did = out.decision_id
+        try:
+            if out.status != "failed":
+                self.journal.decision_done(did, out.status)
         finally:
-            if not isinstance(result, _StagedMove):
-                with self._ids_lock:
-                    self._inflight_ids.discard(did)
-        self._count_outcome(result.status if result.status in ("applied", "failed") else "skipped")
-        return result
+            with self._ids_lock:
+                self._inflight_ids.discard(did)
+        self._count_outcome(out.status if out.status in ("applied", "failed") else "skipped")
+        return out
 
     def _apply(self, d: Decision, key: str, start: float, stage: bool) -> Outcome | _StagedMove:
         did, block = d.decision_id, d.block_hash
@@ -694,12 +702,7 @@ class Executor(protocol.Executor):
                 return status, str(exc), 0
             except (OSError, TierError) as exc:
                 return "failed", f"write to {dst} failed: {exc}", 0
-            # The destination copy is committed and verified: only now drop the source.
-            source.discard(key)
-            self._index(key, dst, old=src)
-            with self._stats_lock:
-                moved = self._stats.bytes_moved
-                moved[(src, dst)] = moved.get((src, dst), 0) + size
+            self._finish_move(key, src, dst, size)
             status = "applied"
             return status, "", size
         finally:
@@ -715,12 +718,7 @@ class Executor(protocol.Executor):
         with self._lock_for(key):
             try:
                 if error is None:
-                    # The destination copy is durable under its name: drop the source.
-                    self._tiers[src].discard(key)
-                    self._index(key, dst, old=src)
-                    with self._stats_lock:
-                        moved = self._stats.bytes_moved
-                        moved[(src, dst)] = moved.get((src, dst), 0) + size
+                    self._finish_move(key, src, dst, size)
                     out = self._outcome(
                         d.decision_id, "applied", "", d.block_hash, src, dst, move.start, size
                     )
@@ -739,12 +737,16 @@ class Executor(protocol.Executor):
                 with self._staged_done:
                     self._staged_keys.discard(key)
                     self._staged_done.notify_all()
-        if out.status != "failed":
-            self.journal.decision_done(d.decision_id, out.status)
-        with self._ids_lock:
-            self._inflight_ids.discard(d.decision_id)
-        self._count_outcome(out.status)
-        return out
+        return self._conclude(out)
+
+    def _finish_move(self, key: str, src: str, dst: str, size: int) -> None:
+        """The destination copy is committed and verified: only now drop the source,
+        index the block where it went, count the bytes. Under the key's stripe lock."""
+        self._tiers[src].discard(key)
+        self._index(key, dst, old=src)
+        with self._stats_lock:
+            moved = self._stats.bytes_moved
+            moved[(src, dst)] = moved.get((src, dst), 0) + size
 
     # -- index ------------------------------------------------------------------------
     @contextmanager

@@ -189,9 +189,7 @@ class LightGBMPolicy(LearnedPolicy):
     def _predict(self, features: np.ndarray) -> np.ndarray:
         assert self.booster is not None
         if self.compiled is not None and self.trees is not None:
-            raw = self.compiled.predict_raw(features)
-            if self.trees.objective == "binary":  # LightGBM's transform, as it computes it
-                raw = 1.0 / (1.0 + np.exp(-self.trees.sigmoid * raw))
+            raw = self.trees.transform(self.compiled.predict_raw(features))
         else:
             raw = predict_rows(self.booster, features)
         if self.params.objective == "binary":

@@ -113,7 +113,11 @@ class TreeEnsemble:
 
     def predict(self, features: np.ndarray) -> np.ndarray:
         """``lightgbm.Booster.predict`` equivalent: the objective's transform applied."""
-        raw = self.predict_raw(features)
+        return self.transform(self.predict_raw(features))
+
+    def transform(self, raw: np.ndarray) -> np.ndarray:
+        """The objective's transform of raw scores, as LightGBM computes it (the
+        sigmoid for ``binary``; none for regression)."""
         if self.objective == "binary":
             return 1.0 / (1.0 + np.exp(-self.sigmoid * raw))
         return raw

@@ -104,6 +104,9 @@ class SimulatedExecutor:
             raise ValueError("the first simulated tier must be 'hbm' (requests load into it)")
         self.tier_names: tuple[str, ...] = names
         self._index = {name: i for i, name in enumerate(names)}
+        self.host_tier: int | None = self._index.get("dram")
+        """Index of host memory (the tier named ``dram``), through which synchronous
+        retrieves stage storage reads (``host_copy_done_ms``); None without one."""
         self.block_size_tokens = (
             self.profile.model.block_size_tokens if block_size_tokens is None else block_size_tokens
         )
@@ -306,9 +309,9 @@ class SimulatedExecutor:
         synchronous retrieve stages storage reads (LMCache: every chunk read into host
         memory, then one batched copy to the GPU). Without a ``dram`` tier there is
         nothing to stage through: ``start_ms``."""
-        if num_blocks <= 0 or "dram" not in self.tier_names:
+        host = self.host_tier
+        if num_blocks <= 0 or host is None:
             return start_ms
-        host = self.tier_names.index("dram")
         size = num_blocks * self.block_bytes
         done = self._channels[host].read.book(start_ms, size)
         self._bytes_read[host][_STREAM] += size

@@ -106,8 +106,7 @@ def run_requests(
     first_miss_of = [0] * n
     # Blocks of the cached prefix in storage (below host memory) before its decisions:
     # a blocking load reads them into host memory, then copies them to the GPU.
-    names = executor.tier_names
-    host = names.index("dram") if "dram" in names else len(names)
+    host = executor.host_tier if blocking_loads else None
     from_storage = [0] * n
     totals = {"accesses": 0, "prompt": 0, "output": 0, "computed": 0, "done": 0,
               "evicted_prefix": 0}  # fmt: skip
@@ -118,7 +117,8 @@ def run_requests(
         req = requests[i]
         first_miss, tiers = executor.cached_prefix(req.blocks)
         first_miss_of[i] = first_miss
-        from_storage[i] = sum(1 for t in tiers if t > host)
+        if host is not None:
+            from_storage[i] = sum(1 for t in tiers if t > host)
         for t in tiers:
             hits[t] += 1
         cached = min(first_miss * block_tokens, req.prompt_tokens)

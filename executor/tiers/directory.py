@@ -441,9 +441,7 @@ class DirectoryTier(Tier):
             try:
                 self._write_all(fd, [_HEADER.pack(_MAGIC, _VERSION, view.nbytes, crc), view])
                 if sync:
-                    os.fsync(fd)
-                    if self.params.drop_written_pages:
-                        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+                    self._sync_fd(fd)
             finally:
                 os.close(fd)
             if self.params.verify_writes:
@@ -513,14 +511,18 @@ class DirectoryTier(Tier):
         try:
             fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
             try:
-                os.fsync(fd)
-                if self.params.drop_written_pages:
-                    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+                self._sync_fd(fd)
             finally:
                 os.close(fd)
         except OSError as exc:
             return exc
         return None
+
+    def _sync_fd(self, fd: int) -> None:
+        """fsync a written file, then drop its pages (``drop_written_pages``)."""
+        os.fsync(fd)
+        if self.params.drop_written_pages:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
 
     def _drop_pages(self, path: str) -> None:
         if self.params.drop_written_pages:

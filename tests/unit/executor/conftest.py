@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import hashlib
+import importlib.util
 from collections.abc import Callable
 from pathlib import Path
+from types import ModuleType
 
 import pytest
 
@@ -27,6 +29,22 @@ def payload(block: int | str, size: int) -> bytes:
     """Deterministic bytes for a block, so any reader can check content."""
     seed = hashlib.sha256(str(block).encode()).digest()
     return (seed * (size // len(seed) + 1))[:size]
+
+
+def load_worker(path: Path) -> ModuleType:
+    """A crash test's worker script loaded as a module, for its helpers (the tests run
+    in importlib mode, where a sibling file cannot be imported by name)."""
+    spec = importlib.util.spec_from_file_location(path.stem, path)
+    assert spec and spec.loader
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(name="load_worker")
+def load_worker_fixture() -> Callable[[Path], ModuleType]:
+    """``load_worker(path)``: a worker script's module (see ``load_worker``)."""
+    return load_worker
 
 
 @pytest.fixture(name="payload")

@@ -5,7 +5,6 @@ applies every decision exactly once."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import subprocess
@@ -23,14 +22,6 @@ WORKER = Path(__file__).with_name("block_group_commit_worker.py")
 REPO_ROOT = Path(__file__).resolve().parents[3]
 
 Payload = Callable[[int | str, int], bytes]
-
-
-def _worker_module():  # the worker's helpers, loaded from its file (importlib mode)
-    spec = importlib.util.spec_from_file_location("block_group_commit_worker", WORKER)
-    assert spec and spec.loader
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def _executor(root: Path, **params: object) -> Executor:
@@ -184,9 +175,9 @@ KILL_POINTS = [
 @pytest.mark.slow
 @pytest.mark.parametrize("kill_point", KILL_POINTS)
 def test_sigkill_inside_a_group_commit_loses_nothing_and_applies_once(
-    tmp_path: Path, payload: Payload, kill_point: str
+    load_worker, tmp_path: Path, payload: Payload, kill_point: str
 ) -> None:
-    worker = _worker_module()
+    worker = load_worker(WORKER)
     clean_root, killed_root = tmp_path / "clean", tmp_path / "killed"
     _seed(clean_root, worker, payload)
     clean = _spawn(clean_root, "none")

@@ -4,7 +4,6 @@ with a valid checksum. Then the moves run to the end, each decision applied once
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import random
@@ -22,14 +21,6 @@ WORKER = Path(__file__).with_name("crash_worker.py")
 NUM_BLOCKS = 120
 NUM_MOVES = 1000
 SEED = 11
-
-
-def _worker_module():  # the worker's helpers, loaded from its file (importlib mode)
-    spec = importlib.util.spec_from_file_location("crash_worker", WORKER)
-    assert spec and spec.loader
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def _spawn(root: Path) -> subprocess.Popen[str]:
@@ -65,8 +56,8 @@ def _check_invariants(root: Path, worker, payload, allowed: dict[int, set[str]])
 
 
 @pytest.mark.slow
-def test_sigkill_at_random_points_loses_nothing(tmp_path: Path, payload) -> None:
-    worker = _worker_module()
+def test_sigkill_at_random_points_loses_nothing(load_worker, tmp_path: Path, payload) -> None:
+    worker = load_worker(WORKER)
     todo = worker.decisions(SEED, NUM_BLOCKS, NUM_MOVES)
     # A block may be in remote (where it starts), in any tier a decision sends it to,
     # or below such a tier (demoted to make room).

@@ -3,7 +3,6 @@ that land anywhere inside a batch."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import random
@@ -27,14 +26,6 @@ NUM_MOVES = 1280  # 20 batches of 64
 SEED = 5
 
 Payload = Callable[[int | str, int], bytes]
-
-
-def _worker_module():  # the worker's helpers, loaded from its file (importlib mode)
-    spec = importlib.util.spec_from_file_location("group_commit_worker", WORKER)
-    assert spec and spec.loader
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def _executor(root: Path, group_commit: bool) -> Executor:
@@ -95,9 +86,9 @@ def _run_to_end(root: Path) -> dict:
 
 @pytest.mark.slow
 def test_sigkill_inside_a_batch_applies_every_decision_exactly_once(
-    tmp_path: Path, payload: Payload
+    load_worker, tmp_path: Path, payload: Payload
 ) -> None:
-    worker = _worker_module()
+    worker = load_worker(WORKER)
     clean_root, killed_root = tmp_path / "clean", tmp_path / "killed"
     _seed_blocks(clean_root, worker, payload)
     _seed_blocks(killed_root, worker, payload)
