@@ -7,20 +7,28 @@ copied into a temp dir so its tiers and journal land there). Time spent applying
 decisions (the executor sink's ``emit`` and ``flush``) is measured in wall and CPU
 seconds, with the number of journal fsyncs (serve's sink syncs the journal at each
 flush, before offsets commit); the engine stand-in's stores (``place_store``) are
-timed apart. Block files are group-committed (``group_commit_writes``: a batch's
-moves into the disk tier synced together, one directory fsync per group); the table
-shows the groups and the block writes in them. The baselines, in the same process: the
-same run with the journal not fsynced at all (the most journal group commit could
-reach); with each block file synced on its own (as before block group commit);
-optionally one fsync per journal record (as before journal group commit) on the first
-``--baseline-events`` requests. A short untimed run first warms the process (imports,
-first calls), which would otherwise be charged to the first row.
+timed apart. The config's NVMe tier is run as it is and, in the same process, as each
+of the other disk tier kinds:
+
+- ``slab`` (the sample config's): blocks in slots of one preallocated file per block
+  size; moves out of host memory written back and synced once per flush, with the
+  journal; moves between disk tiers group-committed;
+- ``directory``: a file per block, a batch's moves into it group-committed (synced
+  together, one directory fsync per group: the table shows the groups and the block
+  writes in them), and the same with each block file synced on its own (as before
+  block group commit).
+
+The other baselines: the journal not fsynced at all (the most journal group commit
+could reach) and optionally one fsync per journal record (as before journal group
+commit) on the first ``--baseline-events`` requests. A short untimed run first warms
+the process (imports, first calls), which would otherwise be charged to the first row.
 """
 
 from __future__ import annotations
 
 import gzip
 import itertools
+import re
 import shutil
 import tempfile
 import time
@@ -33,18 +41,32 @@ import click
 from benchmarks.traces import shared_trace_path
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
-_EACH_BLOCK = "per flush, each block"
+_EACH_BLOCK = "directory, each block"
 """The row whose block files are synced one by one (no block group commit)."""
 
 
-def _write_config(src: Path, dst_dir: Path, journal: str, *, group_blocks: bool = True) -> Path:
+_DISK_ONLY = {"directory": ("sync_method",), "slab": ("grow_slots", "max_slot_sizes")}
+"""Fields of one disk tier kind that the other has not: dropped when switching."""
+
+
+def _write_config(
+    src: Path,
+    dst_dir: Path,
+    journal: str,
+    *,
+    group_blocks: bool = True,
+    nvme_kind: str | None = None,
+) -> Path:
     """``src`` with the journal mode set: "flush" or "batch" (group commit: fsync per
     flush of the sidecar, or per applied batch), "record" (fsync per record) or "off"
-    (no fsync); ``group_blocks`` False: each block file synced on its own."""
+    (no fsync); ``group_blocks`` False: each block file synced on its own;
+    ``nvme_kind``: the NVMe tier's kind ("slab" or "directory"; None: as configured)."""
     text = src.read_text()
     config = tomllib.loads(text)  # validate before editing
     if "executor" not in config:
         raise click.ClickException(f"{src}: no [executor] table")
+    if nvme_kind is not None:
+        text = _with_nvme_kind(text, config, nvme_kind)
     lines = [
         ln
         for ln in text.splitlines()
@@ -60,6 +82,30 @@ def _write_config(src: Path, dst_dir: Path, journal: str, *, group_blocks: bool 
     path = dst_dir / "executor.toml"
     path.write_text("\n".join(out) + "\n")
     return path
+
+
+def _nvme_kind(config: dict[str, Any]) -> str:
+    kinds = [t.get("kind") for t in config.get("tiers", []) if t.get("name") == "nvme"]
+    if not kinds or kinds[0] not in _DISK_ONLY:
+        raise click.ClickException("the config needs an nvme tier of kind slab or directory")
+    return str(kinds[0])
+
+
+def _with_nvme_kind(text: str, config: dict[str, Any], kind: str) -> str:
+    """The config text with its nvme tier's kind set to ``kind`` (fields the new kind
+    has not dropped)."""
+    old = _nvme_kind(config)
+    if old == kind:
+        return text
+    # Split at the tables' own lines (comments may mention "[[tiers]]").
+    blocks = re.split(r"(?m)^\[\[tiers\]\][ \t]*$", text)
+    out = [blocks[0]]
+    for block in blocks[1:]:
+        if tomllib.loads(block).get("name") == "nvme":
+            kept = [ln for ln in block.splitlines() if not ln.strip().startswith(_DISK_ONLY[old])]
+            block = "\n".join(kept).replace(f'kind = "{old}"', f'kind = "{kind}"', 1) + "\n"
+        out.append(block)
+    return "[[tiers]]".join(out)
 
 
 def _run(
@@ -199,20 +245,26 @@ def bench_executor_apply(
     work = Path(tempfile.mkdtemp(prefix="kvwarm-bench-apply-", dir=workdir))
     try:
         runs: dict[str, list[dict[str, Any]]] = {}
-        # (label, requests, journal mode, block files group-committed)
+        kind = _nvme_kind(tomllib.loads(config.read_text()))
+        other = "directory" if kind == "slab" else "slab"
+        # (label, requests, journal mode, block files group-committed, nvme kind)
         modes = [
-            ("per flush", events, "flush", True),
-            ("per batch", events, "batch", True),
-            ("no fsync", events, "off", True),
-            (_EACH_BLOCK, events, "flush", False),
+            ("per flush", events, "flush", True, kind),
+            ("per batch", events, "batch", True, kind),
+            ("no fsync", events, "off", True, kind),
+            (f"{other}, per flush", events, "flush", True, other),
         ]
-        schedule = [("warm-up", min(events, 50), "off", True)] + modes * repeats
+        directory_kind = kind if kind == "directory" else other
+        modes.append((_EACH_BLOCK, events, "flush", False, directory_kind))
+        schedule = [("warm-up", min(events, 50), "off", True, kind)] + modes * repeats
         if baseline_events:
-            schedule.append(("per record", baseline_events, "record", True))
-        for i, (label, n, journal, group_blocks) in enumerate(schedule):
+            schedule.append(("per record", baseline_events, "record", True, kind))
+        for i, (label, n, journal, group_blocks, nvme_kind) in enumerate(schedule):
             run_dir = work / f"{i}-{label.replace(' ', '-').replace(',', '')}"
             run_dir.mkdir()
-            path = _write_config(config, run_dir, journal, group_blocks=group_blocks)
+            path = _write_config(
+                config, run_dir, journal, group_blocks=group_blocks, nvme_kind=nvme_kind
+            )
             result = _run(
                 path,
                 _head(trace, n, run_dir / "t.jsonl"),
@@ -236,7 +288,8 @@ def bench_executor_apply(
         "commits (one directory fsync each), grouped: block writes in them."
     )
     click.echo(
-        f"local executor from {config.name} in {work.parent}, {block_size_bytes} B blocks, "
+        f"local executor from {config.name} (NVMe tier: {kind}) in {work.parent}, "
+        f"{block_size_bytes} B blocks, "
         f"batch target {target_batch_latency_ms:g} ms; median of {repeats} runs per mode, "
         "taken in turn"
     )
@@ -260,8 +313,15 @@ def bench_executor_apply(
                 f"{by_label[label]['per_s'] / base:.2f}x decisions/s"
             )
     each = by_label[_EACH_BLOCK]["per_s"]
+    other_row = by_label[f"{other}, per flush"]["per_s"]
+    if other_row:
+        click.echo(
+            f"NVMe tier {kind} / {other} (journal per flush): "
+            f"{by_label['per flush']['per_s'] / other_row:.2f}x decisions/s"
+        )
+    grouped = by_label["per flush" if kind == "directory" else f"{other}, per flush"]["per_s"]
     if each:
         click.echo(
-            "block files group-committed / each synced on its own (journal per flush): "
-            f"{by_label['per flush']['per_s'] / each:.2f}x decisions/s"
+            "directory tier, block files group-committed / each synced on its own: "
+            f"{grouped / each:.2f}x decisions/s"
         )

@@ -11,10 +11,10 @@ Primitives:
   their destinations whatever the interleaving, so a promote that the batch makes room
   for never races the demote that makes it.
 - ``apply_one(decision) -> Outcome``: one decision, synchronously.
-- ``sync()``: group commit, one journal fsync for everything handled so far (``apply``
-  does it per batch unless ``sync_each_apply`` is off, as serve's executor sink sets
-  it: that sink syncs at each flush, before anything is acknowledged; a caller of
-  ``apply_one`` does it before acknowledging).
+- ``sync()``: group commit, one sync of each write-back tier and one journal fsync for
+  everything handled so far (``apply`` does it per batch unless ``sync_each_apply`` is
+  off, as serve's executor sink sets it: that sink syncs at each flush, before
+  anything is acknowledged; a caller of ``apply_one`` does it before acknowledging).
 - ``read(block) -> Buffer | None``: from the fastest tier holding it; a corrupt copy
   is quarantined and reported as a miss (None), never served.
 - ``write(block, data, tier)``: store a new block (KV an engine just computed);
@@ -30,19 +30,29 @@ in the destination; never nowhere. Moves into volatile tiers (memory, GPU) lose 
 block on a crash by nature: only durable tiers keep blocks across restarts.
 
 Group commit of block writes (``group_commit_writes``): in ``apply``, the moves of a
-stretch into tiers that declare ``Tier.group_commits_writes`` (directory tiers) stop
-after writing their temp file (``Tier.stage_write``); once the stretch's moves have
-all run, each such tier commits its group at once (``Tier.commit_staged``: the files
-fsynced in parallel and renamed, one directory fsync), and only then are the sources
-discarded and the decisions journaled ``done``, in the caller's thread. The order per
-move is the one above, so recovery is unchanged. A block with a staged move is held
-by that ``apply`` until its commit: other calls that would change it wait (reads
-still get the source copy); ``apply`` calls run one at a time.
+stretch into tiers that declare ``Tier.group_commits_writes`` (disk tiers) stop after
+writing their destination where no reader sees it (``Tier.stage_write``); once the
+stretch's moves have all run, each such tier commits its group at once
+(``Tier.commit_staged``: one sync for the group), and only then are the sources
+discarded and the decisions journaled ``done``. A stretch's commit runs on the
+committer thread while ``apply`` runs the next stretch (the last one's in the caller's
+thread); ``apply`` returns once every commit is done. The order per move is the one
+above, so recovery is unchanged. A block with a staged move is held by that ``apply``
+until its commit: other calls that would change it wait (reads still get the source
+copy); ``apply`` calls run one at a time.
+
+Write-back (``Tier.writes_back``, slab tiers): a move out of a volatile tier (host
+memory) into such a tier is written with ``write_unsynced`` (visible at once, source
+dropped, journaled done) and made durable by ``sync()`` with the journal: a sync
+before dropping a volatile source protects nothing a power loss would not take
+anyway, and a write torn by one fails its CRC32C (quarantined, never served). Moves
+out of durable tiers are group-committed as above.
 
 Recovery on start: each tier rebuilds its index (temp files removed, every block's
 CRC32C checked with ``verify_on_recovery``, corrupt blocks quarantined); then moves
-the journal shows in flight are finished (block in both tiers: drop the source) or
-rolled back (only in the source); any other duplicate keeps its fastest copy.
+the journal shows in flight are finished (block in both tiers: drop the source, once
+the destination copy reads through its CRC32C) or rolled back (only in the source, or
+the destination torn); any other duplicate keeps its fastest whole copy.
 
 Idempotence: a decision id that was applied or skipped is remembered in the journal
 and answered ``duplicate`` forever after (the newest ``max_remembered_ids``).
@@ -222,8 +232,12 @@ class Executor(protocol.Executor):
         }
         self._inline_tiers = {t.name for t in tiers if not t.blocking_io}
         self._staging_tiers = {t.name for t in tiers if t.group_commits_writes}
+        self._writeback_tiers = [t.name for t in tiers if t.writes_back]
         self._stripes = [threading.RLock() for _ in range(_NUM_LOCK_STRIPES)]
         self._apply_lock = threading.Lock()
+        self._committer = ThreadPoolExecutor(1, thread_name_prefix="kvwarm-commit")
+        """Group commits of staged moves, one stretch after another, while ``apply``
+        runs the next stretch."""
         self._staged_keys: set[str] = set()
         """Keys with a staged move (``group_commit_writes``): changed by nothing else
         until their group commits. Added and removed under the key's stripe lock."""
@@ -385,25 +399,44 @@ class Executor(protocol.Executor):
         # One batch at a time: a batch's pool tasks may wait for keys another batch
         # has staged, whose own tasks could then be queued behind them.
         with self._apply_lock:
-            while start < len(items):
-                end = self._fitting_stretch(items, keys, start)
-                self._apply_parallel(items, keys, range(start, end), outcomes, num_done, started)
-                start = end
+            commits: list[Future[None]] = []
+            try:
+                while start < len(items):
+                    end, fits = self._fitting_stretch(items, keys, start)
+                    if not fits and commits:
+                        # Its room may be what a committing stretch frees (the sources
+                        # of its moves): let those finish first.
+                        self._wait_commits(commits)
+                        end, fits = self._fitting_stretch(items, keys, start)
+                    # The last stretch commits in this thread: nothing is left to overlap.
+                    queue = commits if end < len(items) else None
+                    self._apply_parallel(
+                        items, keys, range(start, end), outcomes, num_done, started, queue
+                    )
+                    start = end
+            finally:
+                self._wait_commits(commits)
         if self.sync_each_apply:
-            # Group commit: one journal fsync for the whole batch.
-            self.journal.sync()
+            # Group commit: one journal fsync (and write-back tier sync) for the batch.
+            self.sync()
         return [o for o in outcomes if isinstance(o, Outcome)]
 
     def sync(self) -> None:
-        """Make every decision handled so far durable (one journal fsync, a no-op when
-        nothing is pending). ``apply`` does it per batch; callers of ``apply_one`` with
-        ``group_commit`` call it before acknowledging what they applied."""
+        """Make every decision handled so far durable: the blocks written back into
+        ``writes_back`` tiers (one file sync each), then the journal (one fsync; each a
+        no-op when nothing is pending). ``apply`` does it per batch; callers of
+        ``apply_one`` with ``group_commit`` call it before acknowledging what they
+        applied."""
+        for name in self._writeback_tiers:
+            self._tiers[name].sync()
         self.journal.sync()
 
-    def _fitting_stretch(self, items: list[Decision], keys: list[str], start: int) -> int:
+    def _fitting_stretch(
+        self, items: list[Decision], keys: list[str], start: int
+    ) -> tuple[int, bool]:
         """End (exclusive) of the longest stretch from ``start`` whose moves fit in
-        their destinations whatever their order; a move that does not fit now is a
-        stretch of its own."""
+        their destinations whatever their order, and True; a move that does not fit now
+        is a stretch of its own, with False."""
         free = {name: self._tiers[name].free_bytes for name in self._order}
         end = start
         while end < len(items):
@@ -414,10 +447,18 @@ class Executor(protocol.Executor):
                 size = (self._tiers[where].size_of(key) or 0) if where else 0
                 if free[d.to_tier] < size:
                     # Alone, so that it is refused before what follows makes room.
-                    return end if end > start else end + 1
+                    return (end, True) if end > start else (end + 1, False)
                 free[d.to_tier] -= size
             end += 1
-        return end
+        return end, True
+
+    def _wait_commits(self, commits: list[Future[None]]) -> None:
+        """Wait for every pending group commit of this ``apply``; re-raise the first
+        error once all are done."""
+        wait(commits)
+        done, commits[:] = list(commits), []
+        for future in done:
+            future.result()
 
     def _apply_parallel(
         self,
@@ -427,7 +468,11 @@ class Executor(protocol.Executor):
         outcomes: list[Outcome | _StagedMove | None],
         num_done: list[int],
         started: float,
+        commits: list[Future[None]] | None,
     ) -> None:
+        """Run a stretch; its staged moves' group commit is queued on the committer
+        thread (appended to ``commits``), so the next stretch runs while it syncs, or
+        (``commits`` None) run here."""
         groups: dict[str, list[int]] = {}
         for i in span:
             groups.setdefault(keys[i], []).append(i)
@@ -465,8 +510,13 @@ class Executor(protocol.Executor):
             finally:
                 self._wait_with_progress(futures, num_done, len(items), started)
         finally:
-            # Before the next stretch, which may need the room these moves free.
-            self._commit_staged_moves(outcomes, span)
+            if commits is None:
+                self._commit_staged_moves(outcomes, span)
+            elif any(isinstance(outcomes[i], _StagedMove) for i in span):
+                # Keys of staged moves stay held until their commit: a later decision
+                # on one waits for it. The next stretch's room is counted without what
+                # these moves free (``apply`` waits when that matters).
+                commits.append(self._committer.submit(self._commit_staged_moves, outcomes, span))
         for future in futures:
             future.result()
 
@@ -512,7 +562,10 @@ class Executor(protocol.Executor):
             if d.to_tier is not None and d.to_tier not in cheap:
                 # A staged move only writes its temp file (page cache): CPU work. Its
                 # fsync runs on the tier's sync threads; the group waits at the commit.
+                # A move written back (from host memory, as here) is page-cache work too.
                 staged = i == indexes[-1] and self.params.group_commit_writes
+                if d.to_tier in self._writeback_tiers:
+                    continue
                 if not (staged and d.to_tier in self._staging_tiers):
                     return False
         return True
@@ -655,8 +708,13 @@ class Executor(protocol.Executor):
                     )
                 if wait_s > 0:
                     time.sleep(wait_s)
-            stage = stage and self._tiers[d.to_tier].group_commits_writes
-            result = self._move(key, where, d.to_tier, did, stage)
+            target = self._tiers[d.to_tier]
+            # Out of a volatile tier, a sync before the source is dropped protects
+            # nothing a power loss would not take anyway: written back, synced with
+            # the journal (``sync``).
+            write_back = target.writes_back and not self._tiers[where].durable
+            stage = stage and not write_back and target.group_commits_writes
+            result = self._move(key, where, d.to_tier, did, stage, write_back)
             if isinstance(result, StagedWrite):
                 self._staged_keys.add(key)
                 return _StagedMove(d, key, where, d.to_tier, result, start)
@@ -665,11 +723,19 @@ class Executor(protocol.Executor):
 
     # -- moves ------------------------------------------------------------------------
     def _move(
-        self, key: str, src: str, dst: str, move_id: str, stage: bool = False
+        self,
+        key: str,
+        src: str,
+        dst: str,
+        move_id: str,
+        stage: bool = False,
+        write_back: bool = False,
     ) -> tuple[OutcomeStatus, str, int] | StagedWrite:
         """Move one block; the caller holds its stripe lock. Returns (status, reason,
         bytes); with ``stage``, a staged destination write instead of the move's end
-        (the caller commits it, then finishes the move with ``_finish_staged``)."""
+        (the caller commits it, then finishes the move with ``_finish_staged``); with
+        ``write_back``, the destination written with ``write_unsynced`` (durable at
+        the next ``sync``)."""
         if src == dst:
             # Recovery of such a move would drop "the source", the only copy.
             return "stale", f"source and destination are both {src}", 0
@@ -696,7 +762,10 @@ class Executor(protocol.Executor):
                     staged = target.stage_write(key, data, checksum=crc)
                     status = "applied"  # so far: the move's end comes after the commit
                     return staged
-                target.write(key, data, checksum=crc)
+                if write_back:
+                    target.write_unsynced(key, data, checksum=crc)
+                else:
+                    target.write(key, data, checksum=crc)
             except TierFullError as exc:
                 status = "refused_full"
                 return status, str(exc), 0
@@ -850,6 +919,8 @@ class Executor(protocol.Executor):
                 recovery.moves_ignored.append(move.move_id)
                 continue
             holders = found.get(move.key, [])
+            if move.dst in holders and move.src in holders and not self._whole(move.dst, move.key):
+                holders.remove(move.dst)  # its write was cut short: quarantined, keep the source
             if move.dst in holders and move.src in holders:
                 self._tiers[move.src].discard(move.key)
                 holders.remove(move.src)
@@ -862,7 +933,9 @@ class Executor(protocol.Executor):
                 recovery.moves_lost.append(move.move_id)
         for key, holders in found.items():
             # Without a journal record (journal off, or a write() that replaced a copy
-            # elsewhere), keep the fastest copy.
+            # elsewhere), keep the fastest whole copy.
+            while len(holders) > 1 and not self._whole(holders[0], key):
+                holders.pop(0)
             for extra in holders[1:]:
                 self._tiers[extra].discard(key)
                 recovery.duplicates_resolved.append(f"{key}@{extra}")
@@ -874,7 +947,21 @@ class Executor(protocol.Executor):
         self.journal.compact(drop_pending=True)
         return recovery
 
+    def _whole(self, tier: str, key: str) -> bool:
+        """Whether ``tier``'s copy of ``key`` reads through its checksum, before
+        recovery drops another copy for it (a corrupt one is quarantined). Copies the
+        tiers' own recovery verified (``verify_on_recovery``), and volatile ones, are
+        taken as whole."""
+        if self.params.verify_on_recovery or not self._tiers[tier].durable:
+            return True
+        try:
+            self._tiers[tier].read(key)
+        except (CorruptBlockError, BlockNotFoundError):
+            return False
+        return True
+
     def close(self) -> None:
+        self._committer.shutdown(wait=True)
         for pool in self._pools.values():
             pool.shutdown(wait=True)
         self.journal.close()

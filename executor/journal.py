@@ -279,12 +279,15 @@ class Journal:
         self._num_records = 0
         if self.path is None:
             return
-        records: list[dict[str, Any]] = [{"d": d, "s": "done"} for d in self._done]
-        records += [{"p": k, "on": True} for k in sorted(self.pins)]
-        records += [
-            {"b": m.move_id, "k": m.key, "f": m.src, "t": m.dst} for m in self.pending.values()
+        # The lines json.dumps would give (as the record methods write them), formatted
+        # by hand: a compaction rewrites up to max_ids records at once.
+        lines = [f'{{"d":{_q(d)},"s":"done"}}\n' for d in self._done]
+        lines += [f'{{"p":{_q(k)},"on":true}}\n' for k in sorted(self.pins)]
+        lines += [
+            f'{{"b":{_q(m.move_id)},"k":{_q(m.key)},"f":{_q(m.src)},"t":{_q(m.dst)}}}\n'
+            for m in self.pending.values()
         ]
-        text = "".join(json.dumps(r, separators=(",", ":")) + "\n" for r in records)
+        text = "".join(lines)
         tmp = self.path.with_name(self.path.name + ".compact")
         with open(tmp, "wb") as f:
             f.write(text.encode())

@@ -24,6 +24,14 @@ does); tiers whose writes cost less together declare ``group_commits_writes``
 (directory tiers: the group's files synced in parallel, one directory sync per
 group), and the executor stages a batch's moves into those.
 
+Write-back (a block whose only other copy is volatile, so syncing it before its
+source is dropped protects nothing a power loss would not take anyway):
+``write_unsynced(block_id, data, checksum=None)`` commits a block visibly without
+making it durable; ``sync()`` makes every such write durable. By default
+``write_unsynced`` is ``write`` and ``sync`` does nothing; tiers that gain from it
+declare ``writes_back`` (slab tiers: one file sync per ``sync()``), and the executor
+writes moves out of volatile tiers into those this way, syncing them with its journal.
+
 Helpers with default implementations: ``read_with_checksum`` (moves pass the
 source's CRC32C on to the destination so it is computed once), ``block_keys``, ``size_of``,
 ``recover`` (called once at executor start: drop temp files, rebuild the index,
@@ -39,7 +47,7 @@ from __future__ import annotations
 
 import threading
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import ClassVar, cast
 
@@ -153,6 +161,10 @@ class Tier(ABC):
     ``commit_staged``) costs less than as many ``write``s, e.g. fewer syncs; the
     executor then stages a batch's moves into this tier and commits them together."""
 
+    writes_back: ClassVar[bool] = False
+    """True when ``write_unsynced`` + ``sync`` cost less than ``write`` (the executor
+    then writes moves out of volatile tiers with it, synced with its journal)."""
+
     def __init__(self, name: str, params: TierParams) -> None:
         self.name = check_tier_name(name)
         if not isinstance(params, self.Params):
@@ -209,12 +221,23 @@ class Tier(ABC):
         """Store ``data`` atomically. ``checksum``: the payload's CRC32C when the caller
         already has it (a move); it is written as the block's checksum, so a wrong
         value makes the block read as corrupt, never silently wrong."""
+        self._write_with(self._commit, block_id, data, checksum)
+
+    def _write_with(
+        self,
+        commit: Callable[[str, Buffer, int | None], None],
+        block_id: BlockId,
+        data: Buffer,
+        checksum: int | None,
+    ) -> None:
+        """Reserve room, ``commit(key, data, checksum)``, then count the block (or, if
+        it raised, release the room)."""
         key = self._key(block_id)
         size = len(data) if not isinstance(data, memoryview) else data.nbytes
         self._reserve(key, size)
         committed = False
         try:
-            self._commit(key, data, checksum)
+            commit(key, data, checksum)
             committed = True
         finally:
             with self._lock:
@@ -222,6 +245,15 @@ class Tier(ABC):
                 if committed:
                     self._used_bytes += size - self._sizes.get(key, 0)
                     self._sizes[key] = size
+
+    def write_unsynced(self, block_id: BlockId, data: Buffer, checksum: int | None = None) -> None:
+        """``write``, visible at once but durable only at the next ``sync()`` (a power
+        loss before it may leave the block torn: its checksum then fails, and it is
+        quarantined, never served). Default: ``write``."""
+        self.write(block_id, data, checksum)
+
+    def sync(self) -> None:  # noqa: B027 - optional hook
+        """Make every ``write_unsynced`` so far durable. Default: nothing to do."""
 
     def stage_write(
         self, block_id: BlockId, data: Buffer, checksum: int | None = None

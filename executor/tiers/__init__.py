@@ -16,6 +16,7 @@ from executor.tier import Tier
 TIER_KINDS: dict[str, str] = {
     "memory": "executor.tiers.memory:MemoryTier",
     "directory": "executor.tiers.directory:DirectoryTier",
+    "slab": "executor.tiers.slab:SlabTier",
     "remote": "executor.tiers.directory:RemoteDirectoryTier",
     "gpu": "executor.tiers.gpu:GpuTier",
     "simulated": "executor.sim.tier:SimulatedTier",

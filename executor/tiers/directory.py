@@ -115,14 +115,17 @@ def _payload_buffer(length: int) -> memoryview:
 
 
 @dataclass(frozen=True)
-class DirectoryTierParams(TierParams):
+class DiskTierParams(TierParams):
+    """Fields of every local-disk tier kind (``DirectoryTier``, ``SlabTier``)."""
+
     root: str | Path = ""
-    """Directory holding the blocks (created if missing). Must not be shared by two tiers."""
+    """Directory holding the tier's blocks (created if missing). Not shared by two tiers."""
     fsync: bool = True
-    """fsync each block and the directory before a write counts as done. Off only for
-    tests on throwaway data: without it a power loss can lose acknowledged blocks."""
+    """Sync each block before a write counts as done (a directory tier: the file and
+    the directory; a slab tier: its slab file, once per group or ``sync()``). Off only
+    for tests on throwaway data: without it a power loss can lose acknowledged blocks."""
     verify_writes: bool = True
-    """Read each written temp file back and check its CRC32C before the rename. After
+    """Read each written block back and check its CRC32C before it is committed. After
     the fsync this usually reads the page cache: it catches a wrong or torn write from
     this process, not media errors (those are caught when the block is next read cold).
     The read-back streams through a small buffer: no second copy of the block."""
@@ -133,17 +136,8 @@ class DirectoryTierParams(TierParams):
     1: one sequential read per block."""
     min_part_bytes: int = 4 << 20
     """Smallest part worth its own read; smaller blocks are read in one piece."""
-    sync_method: str = "fsync"
-    """How a group of written blocks (``commit_staged``: the executor's moves of one
-    batch) is made durable before the blocks are renamed to their names: "fsync" each
-    file, the group's files in parallel on ``num_io_threads`` threads; or "syncfs",
-    one ``syncfs(2)`` call (Linux) for the group, which also writes back everything
-    else dirty on the filesystem: only for a filesystem the tier has to itself. On
-    this project's 2-core test VM (ext4 without a journal, where each file's fsync
-    writes its inode on its own) syncfs spends ~60 us of CPU per 64 KiB block, fsync
-    ~125-200 us. Either way the directory is fsynced once per group."""
     drop_written_pages: bool = True
-    """Once a written block file is durable, drop its pages from the OS page cache
+    """Once a written block is durable, drop its pages from the OS page cache
     (``POSIX_FADV_DONTNEED``): the DRAM tier is the cache, and the next writes reuse
     the freed pages (on this project's VM, writing a 64 KiB file into fresh page-cache
     memory costs ~160-260 us, into pages just freed ~30-50 us). Off: small blocks
@@ -161,6 +155,31 @@ class DirectoryTierParams(TierParams):
             raise ValueError(f"read_parts must be in [1, 64], got {self.read_parts}")
         if self.min_part_bytes < 4096:
             raise ValueError(f"min_part_bytes must be >= 4096, got {self.min_part_bytes}")
+
+
+def split_parts(length: int, params: DiskTierParams) -> list[tuple[int, int]]:
+    """Byte ranges [start, end) of ``length`` bytes read as parallel parts: up to
+    ``read_parts``, each at least ``min_part_bytes``, page-aligned boundaries."""
+    num = max(1, min(params.read_parts, length // params.min_part_bytes))
+    step = -(-length // num)
+    step += -step % 4096
+    return [(a, min(a + step, length)) for a in range(0, length, step)] or [(0, 0)]
+
+
+@dataclass(frozen=True)
+class DirectoryTierParams(DiskTierParams):
+    sync_method: str = "fsync"
+    """How a group of written blocks (``commit_staged``: the executor's moves of one
+    batch) is made durable before the blocks are renamed to their names: "fsync" each
+    file, the group's files in parallel on ``num_io_threads`` threads; or "syncfs",
+    one ``syncfs(2)`` call (Linux) for the group, which also writes back everything
+    else dirty on the filesystem: only for a filesystem the tier has to itself. On
+    this project's 2-core test VM (ext4 without a journal, where each file's fsync
+    writes its inode on its own) syncfs spends ~60 us of CPU per 64 KiB block, fsync
+    ~125-200 us. Either way the directory is fsynced once per group."""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
         if self.sync_method not in SYNC_METHODS:
             raise ValueError(
                 f"unknown sync_method {self.sync_method!r}; use one of {', '.join(SYNC_METHODS)}"
@@ -293,10 +312,7 @@ class DirectoryTier(Tier):
         return crc_acc
 
     def _parts(self, length: int) -> list[tuple[int, int]]:
-        num = max(1, min(self.params.read_parts, length // self.params.min_part_bytes))
-        step = -(-length // num)
-        step += -step % 4096  # page-aligned part boundaries
-        return [(a, min(a + step, length)) for a in range(0, length, step)] or [(0, 0)]
+        return split_parts(length, self.params)
 
     def _pool(self) -> ThreadPoolExecutor:
         with self._parts_lock:

@@ -9,10 +9,16 @@ point ``WHERE:N`` it SIGKILLs itself at the Nth such event, inside a batched app
 - ``dirsync``: after the Nth directory fsync (the group durable, no move finished);
 - ``done``: after the Nth decision journaled done (the group half finished).
 
+With KIND ``slab`` the tiers are slab tiers, and the kill points are:
+
+- ``stage``: after the Nth slot written (not synced);
+- ``sync``: after the Nth slab file sync (a group durable, no move finished);
+- ``done``: as above.
+
 Run to the end (kill point ``none``) it prints a JSON summary: outcome counts and where
 every block ended.
 
-Usage: python block_group_commit_worker.py ROOT KILL_POINT
+Usage: python block_group_commit_worker.py ROOT KILL_POINT [directory|slab]
 """
 
 from __future__ import annotations
@@ -29,8 +35,10 @@ from typing import Any
 
 from executor import Decision, Executor, ExecutorParams
 from executor.journal import Journal
-from executor.tiers import directory
+from executor.tier import Tier
+from executor.tiers import directory, slab
 from executor.tiers.directory import DirectoryTier, DirectoryTierParams
+from executor.tiers.slab import SlabTier, SlabTierParams
 
 KB = 1024
 TIERS = ("dram", "nvme")
@@ -41,11 +49,14 @@ def block_size(block: int) -> int:
     return (8 + (block * 37) % 29) * KB
 
 
-def open_executor(root: Path) -> Executor:
-    """Two durable directory tiers with room for every block, block files and journal
-    fsynced (the group commit's real path), one journal fsync per batch."""
-    tiers = [
+def open_executor(root: Path, kind: str = "directory") -> Executor:
+    """Two durable disk tiers (``kind``: directory or slab) with room for every block,
+    blocks and journal synced (the group commit's real path), one journal fsync per
+    batch."""
+    tiers: list[Tier] = [
         DirectoryTier(name, DirectoryTierParams(capacity_bytes=1 << 24, root=root / name))
+        if kind == "directory"
+        else SlabTier(name, SlabTierParams(capacity_bytes=1 << 24, root=root / name))
         for name in TIERS
     ]
     params = ExecutorParams(state_dir=root / "state", progress_interval_s=0)
@@ -62,7 +73,7 @@ def decisions() -> list[list[Decision]]:
     return [demote, promote, again]
 
 
-def _kill_at(where: str, n: int) -> None:
+def _kill_at(where: str, n: int, kind: str) -> None:
     count = Counter[str]()
 
     def tick(event: str) -> None:
@@ -78,11 +89,17 @@ def _kill_at(where: str, n: int) -> None:
 
         return wrapper
 
+    Journal.decision_done = after("done", Journal.decision_done)  # type: ignore[method-assign]
+    if kind == "slab":
+        SlabTier._stage = after("stage", SlabTier._stage)  # type: ignore[method-assign]
+        shim = types.SimpleNamespace(**{name: getattr(os, name) for name in dir(os)})
+        shim.fdatasync = after("sync", os.fdatasync)
+        slab.os = shim  # type: ignore[assignment]
+        return
     stage, sync_file = DirectoryTier._stage, DirectoryTier._sync_file
     DirectoryTier._stage = after("stage", stage)  # type: ignore[method-assign]
     DirectoryTier._sync_file = after("sync", sync_file)  # type: ignore[method-assign]
     DirectoryTier._fsync_dir = after("dirsync", DirectoryTier._fsync_dir)  # type: ignore[method-assign]
-    Journal.decision_done = after("done", Journal.decision_done)  # type: ignore[method-assign]
     # Renames: the directory tier's own ``os``, with ``replace`` counted.
     shim = types.SimpleNamespace(**{name: getattr(os, name) for name in dir(os)})
     shim.replace = after("rename", os.replace)
@@ -91,10 +108,11 @@ def _kill_at(where: str, n: int) -> None:
 
 def main() -> None:
     root, kill_point = Path(sys.argv[1]), sys.argv[2]
-    executor = open_executor(root)  # recovery runs before any kill point is armed
+    kind = sys.argv[3] if len(sys.argv) > 3 else "directory"
+    executor = open_executor(root, kind)  # recovery runs before any kill point is armed
     if kill_point != "none":
         where, n = kill_point.split(":")
-        _kill_at(where, int(n))
+        _kill_at(where, int(n), kind)
     statuses: Counter[str] = Counter()
     for batch in decisions():
         for outcome in executor.apply(batch):

@@ -21,6 +21,7 @@ from executor.tiers.directory import (
 )
 from executor.tiers.gpu import GpuTier, GpuTierParams
 from executor.tiers.memory import MemoryTier, MemoryTierParams
+from executor.tiers.slab import SlabTier, SlabTierParams
 
 TierFactory = Callable[[str, int], Tier]
 
@@ -59,6 +60,9 @@ def _factories(root: Path) -> dict[str, TierFactory]:
         "directory": lambda name, cap: DirectoryTier(
             name, DirectoryTierParams(capacity_bytes=cap, root=root / name, fsync=False)
         ),
+        "slab": lambda name, cap: SlabTier(
+            name, SlabTierParams(capacity_bytes=cap, root=root / f"{name}-slab", fsync=False)
+        ),
         "remote": lambda name, cap: RemoteDirectoryTier(
             name,
             RemoteDirectoryTierParams(
@@ -77,7 +81,7 @@ def _factories(root: Path) -> dict[str, TierFactory]:
     }
 
 
-@pytest.fixture(params=["memory", "directory", "remote", "gpu", "simulated"])
+@pytest.fixture(params=["memory", "directory", "slab", "remote", "gpu", "simulated"])
 def make_tier(request: pytest.FixtureRequest, tmp_path: Path) -> TierFactory:
     """Builds a tier of each kind in turn: the contract suite runs over all of them."""
     return _factories(tmp_path)[request.param]

@@ -122,9 +122,11 @@ def test_syncfs_commits_a_group(tmp_path: Path, payload: Payload) -> None:
     nvme.close()
 
 
-def _spawn(root: Path, kill_point: str) -> subprocess.CompletedProcess[str]:
+def _spawn(
+    root: Path, kill_point: str, kind: str = "directory"
+) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, str(WORKER), str(root), kill_point],
+        [sys.executable, str(WORKER), str(root), kill_point, kind],
         capture_output=True,
         text=True,
         timeout=120,
@@ -136,8 +138,8 @@ def _spawn(root: Path, kill_point: str) -> subprocess.CompletedProcess[str]:
     )
 
 
-def _seed(root: Path, worker, payload: Payload) -> None:
-    ex = worker.open_executor(root)
+def _seed(root: Path, worker, payload: Payload, kind: str = "directory") -> None:
+    ex = worker.open_executor(root, kind)
     for block in range(worker.NUM_BLOCKS):
         assert ex.write(block, payload(block, worker.block_size(block)), "dram").status == (
             "applied"
@@ -161,37 +163,43 @@ def _allowed_tiers(worker, ex: Executor) -> dict[int, set[str]]:
 
 
 KILL_POINTS = [
-    "stage:5",  # mid-staging of the first batch: nothing committed
-    "sync:4",  # some files synced, none renamed
-    "rename:1",  # the first rename of a group
-    "rename:7",  # half the group's names visible, not yet durable
-    "dirsync:1",  # the group durable, no move finished, nothing journaled done
-    "done:3",  # the first group half finished
-    "done:14",  # inside the second batch's finish
-    "rename:15",  # inside the third batch's group
+    ("directory", "stage:5"),  # mid-staging of the first batch: nothing committed
+    ("directory", "sync:4"),  # some files synced, none renamed
+    ("directory", "rename:1"),  # the first rename of a group
+    ("directory", "rename:7"),  # half the group's names visible, not yet durable
+    ("directory", "dirsync:1"),  # the group durable, no move finished, nothing journaled done
+    ("directory", "done:3"),  # the first group half finished
+    ("directory", "done:14"),  # inside the second batch's finish
+    ("directory", "rename:15"),  # inside the third batch's group
+    ("slab", "stage:5"),  # mid-staging of the first batch: slots written, not synced
+    ("slab", "stage:12"),  # the whole first group written, not synced
+    ("slab", "sync:1"),  # the first group durable, no move finished
+    ("slab", "done:3"),  # the first group half finished
+    ("slab", "done:14"),  # inside the second batch's finish
+    ("slab", "stage:15"),  # inside the third batch's group
 ]
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("kill_point", KILL_POINTS)
+@pytest.mark.parametrize(("kind", "kill_point"), KILL_POINTS)
 def test_sigkill_inside_a_group_commit_loses_nothing_and_applies_once(
-    load_worker, tmp_path: Path, payload: Payload, kill_point: str
+    load_worker, tmp_path: Path, payload: Payload, kind: str, kill_point: str
 ) -> None:
     worker = load_worker(WORKER)
     clean_root, killed_root = tmp_path / "clean", tmp_path / "killed"
-    _seed(clean_root, worker, payload)
-    clean = _spawn(clean_root, "none")
+    _seed(clean_root, worker, payload, kind)
+    clean = _spawn(clean_root, "none", kind)
     assert clean.returncode == 0, clean.stderr
     expected = json.loads(clean.stdout.strip().splitlines()[-1])
     assert set(expected["statuses"]) == {"applied"}
 
-    _seed(killed_root, worker, payload)
-    killed = _spawn(killed_root, kill_point)
+    _seed(killed_root, worker, payload, kind)
+    killed = _spawn(killed_root, kill_point, kind)
     assert killed.returncode == -9, f"the kill point {kill_point} was never reached"
 
     # Recovery: every block exactly once, whole (checksum verified), where the journal
     # allows; no temp file left, nothing quarantined or lost.
-    ex = worker.open_executor(killed_root)
+    ex = worker.open_executor(killed_root, kind)
     assert ex.last_recovery.quarantined == {} and ex.last_recovery.moves_lost == []
     allowed = _allowed_tiers(worker, ex)
     for block in range(worker.NUM_BLOCKS):
@@ -199,17 +207,18 @@ def test_sigkill_inside_a_group_commit_loses_nothing_and_applies_once(
         assert len(holders) == 1, f"block {block} in {holders}"
         assert holders[0] in allowed[block], f"block {block} in {holders}, allowed {allowed[block]}"
         assert bytes(ex.read(block) or b"") == payload(block, worker.block_size(block))
-    for name in worker.TIERS:
-        assert list((killed_root / name / ".tmp").iterdir()) == []
+    if kind == "directory":
+        for name in worker.TIERS:
+            assert list((killed_root / name / ".tmp").iterdir()) == []
     ex.close()
 
     # Redelivery of every batch: what was done is a duplicate, the rest runs; the end
     # state is the clean run's, and every decision id is remembered.
-    final = _spawn(killed_root, "none")
+    final = _spawn(killed_root, "none", kind)
     assert final.returncode == 0, final.stderr
     summary = json.loads(final.stdout.strip().splitlines()[-1])
     assert "failed" not in summary["statuses"]
     assert summary["placement"] == expected["placement"]
-    ex = worker.open_executor(killed_root)
+    ex = worker.open_executor(killed_root, kind)
     assert all(ex.journal.is_done(d.decision_id) for batch in worker.decisions() for d in batch)
     ex.close()

@@ -291,6 +291,28 @@ def test_journal_compacts_itself_and_keeps_ids_pins_and_pending(tmp_path: Path) 
     reopened.close()
 
 
+def test_a_compacted_journal_is_the_json_of_its_records(tmp_path: Path) -> None:
+    """Compaction formats lines by hand: they must be what json.dumps gives, escapes
+    included."""
+    import json
+
+    from executor.journal import Journal
+
+    journal = Journal(tmp_path / "j.jsonl", fsync=False)
+    ids = ["plain-1", 'quote"d', "back\\slash", "tab\tid", "é-unicode"]
+    for i, did in enumerate(ids):
+        journal.decision_done(did, "applied")
+        journal.begin_move(f"m{i}", f"k{i}", "dram", "nvme")
+    journal.set_pin("k9", True)
+    journal.compact()
+    expected = [{"d": d, "s": "done"} for d in ids]
+    expected += [{"p": "k9", "on": True}]
+    expected += [{"b": f"m{i}", "k": f"k{i}", "f": "dram", "t": "nvme"} for i in range(5)]
+    text = (tmp_path / "j.jsonl").read_text()
+    assert text == "".join(json.dumps(r, separators=(",", ":")) + "\n" for r in expected)
+    journal.close()
+
+
 def test_a_duplicate_arriving_while_the_first_is_journalled_is_not_applied_again(
     tmp_path: Path, payload: Payload
 ) -> None:

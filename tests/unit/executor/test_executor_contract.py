@@ -22,24 +22,18 @@ TIERS = ("hbm", "dram", "nvme")
 CAPACITY_BLOCKS = {"hbm": 2, "dram": 4, "nvme": 16}
 
 
-def _local(tmp_path: Path) -> tuple[Executor, int]:
+def _local(tmp_path: Path, disk_kind: str = "directory") -> tuple[Executor, int]:
     from executor.core import Executor as LocalExecutor
     from executor.core import ExecutorParams
-    from executor.tiers.directory import DirectoryTier, DirectoryTierParams
+    from executor.tiers import make_tier
     from executor.tiers.memory import MemoryTier, MemoryTierParams
 
     block_bytes = 1024
+    nvme = {"capacity_bytes": CAPACITY_BLOCKS["nvme"] * block_bytes, "root": str(tmp_path / "nvme")}
     tiers = [
         MemoryTier("hbm", MemoryTierParams(capacity_bytes=CAPACITY_BLOCKS["hbm"] * block_bytes)),
         MemoryTier("dram", MemoryTierParams(capacity_bytes=CAPACITY_BLOCKS["dram"] * block_bytes)),
-        DirectoryTier(
-            "nvme",
-            DirectoryTierParams(
-                capacity_bytes=CAPACITY_BLOCKS["nvme"] * block_bytes,
-                root=tmp_path / "nvme",
-                fsync=False,
-            ),
-        ),
+        make_tier(disk_kind, "nvme", {**nvme, "fsync": False}),
     ]
     params = ExecutorParams(state_dir=tmp_path / "state", fsync_journal=False)
     return LocalExecutor(tiers, params), block_bytes
@@ -55,6 +49,7 @@ def _simulated(tmp_path: Path) -> tuple[Executor, int]:
 
 IMPLEMENTATIONS: dict[str, Callable[[Path], tuple[Executor, int]]] = {
     "local": _local,
+    "local-slab": lambda tmp_path: _local(tmp_path, "slab"),
     "simulated": _simulated,
 }
 

@@ -22,9 +22,14 @@ def test_sample_executor_config_loads_and_moves_a_block(
         assert ex.tier_names == ["hbm", "dram", "nvme"]
         assert ex.params.fsync_journal and ex.params.group_commit
         assert ex.tier("nvme").params.read_parts == 4
+        assert type(ex.tier("nvme")).__name__ == "SlabTier"
         assert ex.write(7, payload(7, 4096), "nvme").status == "applied"
         assert (tmp_path / ".kvwarm" / "executor" / "nvme").is_dir()
         out = ex.apply([Decision("s1", 0, 7, "promote", "nvme", "dram")])
         assert [o.status for o in out] == ["applied"] and ex.locate(7) == "dram"
+        # Out of host memory into the slab tier: written back, durable at sync().
+        out = ex.apply([Decision("s2", 0, 7, "demote", "dram", "nvme")])
+        assert [o.status for o in out] == ["applied"] and ex.locate(7) == "nvme"
+        assert bytes(ex.read(7) or b"") == payload(7, 4096)
     finally:
         ex.close()
