@@ -3,7 +3,10 @@ applies the seeded list of moves, eight at a time in parallel. The test SIGKILLs
 at random points (it prints one line per batch that did work, so the test can
 kill it mid-run); run to completion it prints a JSON summary of the outcomes.
 
-Usage: python crash_worker.py ROOT SEED NUM_BLOCKS NUM_MOVES
+With KIND ``slab`` the dram and nvme tiers are slab tiers (blocks in slots of one file
+per size) instead of directories of block files.
+
+Usage: python crash_worker.py ROOT SEED NUM_BLOCKS NUM_MOVES [directory|slab]
 """
 
 from __future__ import annotations
@@ -15,12 +18,14 @@ from collections import Counter
 from pathlib import Path
 
 from executor import Decision, Executor, ExecutorParams
+from executor.tier import Tier
 from executor.tiers.directory import (
     DirectoryTier,
     DirectoryTierParams,
     RemoteDirectoryTier,
     RemoteDirectoryTierParams,
 )
+from executor.tiers.slab import SlabTier, SlabTierParams
 
 KB = 1024
 TIERS = ("dram", "nvme", "remote")
@@ -30,11 +35,14 @@ def block_size(block: int) -> int:
     return (16 + (block * 37) % 113) * KB
 
 
-def open_executor(root: Path) -> Executor:
-    """Three durable tiers (a directory stands for each), small enough that promotes
-    have to demote. fsync is off: SIGKILL loses nothing the kernel already has."""
+def open_executor(root: Path, kind: str = "directory") -> Executor:
+    """Three durable tiers (a directory, or with ``kind`` slab a slab tier, stands for
+    dram and nvme), small enough that promotes have to demote. fsync is off: SIGKILL
+    loses nothing the kernel already has."""
 
-    def disk(name: str, cap: int) -> DirectoryTier:
+    def disk(name: str, cap: int) -> Tier:
+        if kind == "slab":
+            return SlabTier(name, SlabTierParams(capacity_bytes=cap, root=root / name, fsync=False))
         return DirectoryTier(
             name, DirectoryTierParams(capacity_bytes=cap, root=root / name, fsync=False)
         )
@@ -64,7 +72,7 @@ def decisions(seed: int, num_blocks: int, num_moves: int) -> list[Decision]:
 
 def main() -> None:
     root, seed, num_blocks, num_moves = Path(sys.argv[1]), *map(int, sys.argv[2:5])
-    executor = open_executor(root)
+    executor = open_executor(root, sys.argv[5] if len(sys.argv) > 5 else "directory")
     todo = decisions(seed, num_blocks, num_moves)
     statuses: Counter[str] = Counter()
     for start in range(0, len(todo), 8):
