@@ -964,6 +964,11 @@ class Executor(protocol.Executor):
         self._committer.shutdown(wait=True)
         for pool in self._pools.values():
             pool.shutdown(wait=True)
+        for name in self._writeback_tiers:
+            try:
+                self._tiers[name].sync()
+            except OSError as exc:  # what was not synced may be lost on a power loss
+                log.warning("tier %s: sync at close failed: %s", name, exc)
         self.journal.close()
         for tier in self._tiers.values():
             tier.close()

@@ -278,7 +278,11 @@ def test_moves_out_of_host_memory_are_written_back_and_synced_with_the_journal(
     assert len(syncs) == 1  # nothing written since
     out = ex.apply([Decision("g9", 0, 9, "promote", "remote", "nvme")])
     assert out[0].status == "applied" and ex.stats().num_group_commits == 1 and len(syncs) == 2
+    ex.apply([Decision("w9", 0, 9, "promote", "nvme", "dram")])
+    ex.apply([Decision("x9", 0, 9, "demote", "dram", "nvme")])  # written back, not synced
+    assert len(syncs) == 2
     ex.close()
+    assert len(syncs) == 3  # close syncs what was written back
     monkeypatch.undo()
     again = Executor(
         [
