@@ -296,3 +296,39 @@ def test_moves_out_of_host_memory_are_written_back_and_synced_with_the_journal(
     )
     assert [again.locate(b) for b in (0, 1, 2, 3, 9)] == ["nvme"] * 5
     again.close()
+
+
+def test_a_fifo_named_like_a_slab_is_ignored_not_opened(tmp_path: Path) -> None:
+    os.mkfifo(tmp_path / "slab-8192.dat")  # opening it for reading would wait for a writer
+    tier = _tier(tmp_path)
+    assert tier.recover(verify=True).num_blocks == 0
+    tier.write(1, b"x" * 100)  # a block of that slot size goes to a slab of its own name
+    assert bytes(tier.read(1)) == b"x" * 100
+    tier.close()
+
+
+def test_a_truncated_slab_and_a_header_declaring_too_much_are_handled(
+    tmp_path: Path, payload: Payload
+) -> None:
+    tier = _tier(tmp_path, capacity_bytes=1 << 20)
+    for block in range(3):
+        tier.write(block, payload(block, 3000))
+    slot = slot_bytes_for(3000)
+    index2 = tier._where[tier._key(2)][1]
+    index1 = tier._where[tier._key(1)][1]
+    tier.close()
+    path = _slab_file(tmp_path, 3000)
+    # Block 1's header rewritten (valid CRC) to declare 8 GiB: more than the tier holds.
+    forged = slab_module._pack_header(tier._key(1), 8 << 30, 0, 99, slab_module._COMMITTED)
+    with open(path, "r+b") as f:
+        f.seek(index1 * slot)
+        f.write(forged)
+    os.truncate(path, index2 * slot + 100)  # block 2's slot cut short: the file ends mid-slot
+    again = _tier(tmp_path, capacity_bytes=1 << 20)
+    report = again.recover(verify=True)
+    assert again.contains(0) and not again.contains(1) and not again.contains(2)
+    assert bytes(again.read(0)) == payload(0, 3000)
+    assert (report.num_temp_files_removed, report.quarantined) == (1, [])  # the forged slot freed
+    again.write(5, payload(5, 3000))  # the tier keeps working past the cut
+    assert bytes(again.read(5)) == payload(5, 3000)
+    again.close()
