@@ -226,10 +226,11 @@ class SlabTier(Tier):
     @staticmethod
     def _open_slab(path: str, *, create: bool) -> int:
         flags = os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC | (os.O_CREAT if create else 0)
-        fd = os.open(path, flags, 0o644)
+        fd = os.open(path, flags | os.O_NONBLOCK, 0o644)  # a FIFO there must not block
         if not stat.S_ISREG(os.fstat(fd).st_mode):
             os.close(fd)
-            raise _Corrupt("not a regular file")
+            raise TierError(f"{path} is not a regular file: move it out of the tier's root")
+        os.set_blocking(fd, True)
         return fd
 
     def _allocate(self, slot_bytes: int) -> tuple[_Slab, int]:

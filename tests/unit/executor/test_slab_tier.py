@@ -302,8 +302,11 @@ def test_a_fifo_named_like_a_slab_is_ignored_not_opened(tmp_path: Path) -> None:
     os.mkfifo(tmp_path / "slab-8192.dat")  # opening it for reading would wait for a writer
     tier = _tier(tmp_path)
     assert tier.recover(verify=True).num_blocks == 0
-    tier.write(1, b"x" * 100)  # a block of that slot size goes to a slab of its own name
+    tier.write(1, b"x" * 100)  # another slot size: its own slab file
     assert bytes(tier.read(1)) == b"x" * 100
+    with pytest.raises(TierError, match="not a regular file"):
+        tier.write(2, b"y" * 5000)  # this size's slab is the FIFO: refused, nothing left
+    assert not tier.contains(2) and tier.used_bytes == 100
     tier.close()
 
 
