@@ -83,6 +83,9 @@ _HEADER_CRC_AT = SLOT_HEADER_BYTES - 4
 _ZERO_HEADER = bytes(SLOT_HEADER_BYTES)
 _CHUNK_BYTES = 8 << 20
 _QUARANTINE = ".quarantine"
+_GROW_MAX_BYTES = 256 << 20
+"""A slab file grows by at most this much at once (whatever ``grow_slots`` says):
+large blocks grow it a slot at a time."""
 _SLAB_RE = re.compile(r"slab-([0-9]{4,15})\.dat")
 assert _FIELDS.size + MAX_KEY_CHARS <= _HEADER_CRC_AT
 
@@ -131,8 +134,9 @@ class SlabTierParams(DiskTierParams):
     direct_reads, drop_written_pages) and the slab's own."""
 
     grow_slots: int = 64
-    """Slots a slab file grows by when it has no free one (allocated with
-    ``posix_fallocate``, so a full disk shows at growth, not mid-write)."""
+    """Slots a slab file grows by when it has no free one, at most 256 MiB of them
+    (allocated with ``posix_fallocate``, so a full disk shows at growth, not
+    mid-write)."""
     max_slot_sizes: int = 64
     """Distinct slot sizes (one slab file each) the tier accepts; a write of one more
     block size is refused with an error that says so."""
@@ -196,8 +200,9 @@ class SlabTier(Tier):
         self._where: dict[str, tuple[int, int]] = {}
         """key -> (slot bytes, slot index) of its committed copy."""
         self._seq = 0
-        self._unsynced: dict[int, list[int]] = {}
-        """Slot bytes -> slots written by ``write_unsynced`` since the last ``sync``."""
+        self._unsynced: dict[int, set[int]] = {}
+        """Slot bytes -> slots written by ``write_unsynced`` since the last ``sync``
+        (a set: bounded by the slots there are, however long ``sync`` is not called)."""
         self._io_lock = threading.Lock()
         """Serializes slab growth and descriptor opening (not reads or writes)."""
         self._parts_pool: ThreadPoolExecutor | None = None
@@ -243,7 +248,7 @@ class SlabTier(Tier):
                 if slab.free:
                     return slab, slab.free.pop()
                 start = slab.num_slots
-            grow = self.params.grow_slots
+            grow = max(1, min(self.params.grow_slots, _GROW_MAX_BYTES // slot_bytes))
             os.posix_fallocate(slab.fd, start * slot_bytes, grow * slot_bytes)
             with self._lock:
                 slab.num_slots = start + grow
@@ -301,7 +306,7 @@ class SlabTier(Tier):
     def _commit_unsynced(self, key: str, data: Buffer, crc: int | None) -> None:
         slot = self._write_slot(key, data, crc)
         with self._lock:
-            self._unsynced.setdefault(slot.slab.slot_bytes, []).append(slot.index)
+            self._unsynced.setdefault(slot.slab.slot_bytes, set()).add(slot.index)
         self._place(key, slot.slab, slot.index)
 
     def sync(self) -> None:
@@ -319,7 +324,7 @@ class SlabTier(Tier):
             except OSError:
                 with self._lock:
                     for later, more in list(dirty.items())[done:]:
-                        self._unsynced.setdefault(later, []).extend(more)
+                        self._unsynced.setdefault(later, set()).update(more)
                 raise
             if self.params.fsync and self.params.drop_written_pages:
                 for index in indexes:

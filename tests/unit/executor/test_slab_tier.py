@@ -335,3 +335,18 @@ def test_a_truncated_slab_and_a_header_declaring_too_much_are_handled(
     again.write(5, payload(5, 3000))  # the tier keeps working past the cut
     assert bytes(again.read(5)) == payload(5, 3000)
     again.close()
+
+
+def test_a_slab_grows_by_at_most_its_byte_cap(
+    tmp_path: Path, payload: Payload, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    slot = slot_bytes_for(20_000)
+    monkeypatch.setattr(slab_module, "_GROW_MAX_BYTES", 3 * slot)
+    tier = _tier(tmp_path, grow_slots=64)
+    tier.write(1, payload(1, 20_000))
+    assert _slab_file(tmp_path, 20_000).stat().st_size == 3 * slot  # not 64 slots
+    monkeypatch.setattr(slab_module, "_GROW_MAX_BYTES", slot // 2)  # a slot bigger than the cap
+    for block in range(2, 5):
+        tier.write(block, payload(block, 20_000))
+    assert _slab_file(tmp_path, 20_000).stat().st_size == 4 * slot  # then one at a time
+    tier.close()
