@@ -80,7 +80,13 @@ _MAGIC = b"KVWSLAB1"
 _VERSION = 1
 _COMMITTED = 2
 _HEADER_CRC_AT = SLOT_HEADER_BYTES - 4
-_ZERO_HEADER = bytes(SLOT_HEADER_BYTES)
+_ZERO_PAGE = bytes(_ALIGN)
+"""Written over a freed slot's first page: its header zeroed without the kernel reading
+the page first (a partial-page write of an uncached page reads it)."""
+_BACKGROUND_FREE_BYTES = 2 << 20
+"""Slots from this size on (read with O_DIRECT) are freed by a background thread: a
+buffered write to the slab waits for the file's in-flight direct reads (the inode lock),
+~100 ms during a batch of 64 MB promotes, which would stall the move that discards."""
 _CHUNK_BYTES = 8 << 20
 _QUARANTINE = ".quarantine"
 _GROW_MAX_BYTES = 256 << 20
@@ -206,6 +212,8 @@ class SlabTier(Tier):
         self._io_lock = threading.Lock()
         """Serializes slab growth and descriptor opening (not reads or writes)."""
         self._parts_pool: ThreadPoolExecutor | None = None
+        self._freer: ThreadPoolExecutor | None = None
+        """Zeroes the headers of discarded large slots (``_release_later``)."""
         self._carried: RecoveryReport | None = None
         self._carried = self.recover(verify=False)
 
@@ -255,10 +263,22 @@ class SlabTier(Tier):
                 slab.free.extend(range(start + grow - 1, start, -1))  # lowest popped first
                 return slab, start
 
+    def _release_later(self, slab: _Slab, index: int) -> None:
+        """``_release`` on the background freer for large slots (the slot is reused
+        only once its header is zeroed), at once for small ones."""
+        if slab.slot_bytes < _BACKGROUND_FREE_BYTES:
+            self._release(slab, index)
+            return
+        with self._io_lock:
+            if self._freer is None:
+                self._freer = ThreadPoolExecutor(1, thread_name_prefix=f"kvwarm-{self.name}-free")
+            freer = self._freer
+        freer.submit(self._release, slab, index)
+
     def _release(self, slab: _Slab, index: int) -> None:
         """Zero a slot's header and return it to the free list."""
         try:
-            os.pwrite(slab.fd, _ZERO_HEADER, index * slab.slot_bytes)
+            os.pwrite(slab.fd, _ZERO_PAGE, index * slab.slot_bytes)
         except OSError as exc:  # the slot stays out of use; recovery looks at it again
             log.warning("tier %s: cannot free slot %d of %s: %s", self.name, index, slab.path, exc)
             return
@@ -506,7 +526,7 @@ class SlabTier(Tier):
         with self._lock:
             where = self._where.pop(key, None)
         if where is not None:
-            self._release(self._slabs[where[0]], where[1])
+            self._release_later(self._slabs[where[0]], where[1])
 
     def _quarantine_slot(self, key: str, slab: _Slab, index: int) -> None:
         """Copy a bad slot's bytes aside, free it and drop the key from the index."""
@@ -626,10 +646,12 @@ class SlabTier(Tier):
 
     def close(self) -> None:
         with self._io_lock:
-            pool, self._parts_pool = self._parts_pool, None
+            pools = [self._parts_pool, self._freer]
+            self._parts_pool = self._freer = None
             slabs = list(self._slabs.values())
-        if pool is not None:
-            pool.shutdown(wait=True)
+        for pool in pools:
+            if pool is not None:
+                pool.shutdown(wait=True)  # discarded slots are freed before close returns
         for slab in slabs:
             for fd in (slab.fd, slab.direct_fd):
                 if fd is not None and fd >= 0:

@@ -350,3 +350,20 @@ def test_a_slab_grows_by_at_most_its_byte_cap(
         tier.write(block, payload(block, 20_000))
     assert _slab_file(tmp_path, 20_000).stat().st_size == 4 * slot  # then one at a time
     tier.close()
+
+
+def test_large_slots_are_freed_in_the_background_and_reused_only_once_zeroed(
+    tmp_path: Path, payload: Payload, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(slab_module, "_BACKGROUND_FREE_BYTES", slot_bytes_for(50_000))
+    tier = _tier(tmp_path, grow_slots=2)
+    tier.write(1, payload(1, 50_000))
+    tier.write(2, payload(2, 1_000))  # a small slot: freed at once
+    assert tier.discard(1) and tier.discard(2)
+    assert not tier.contains(1) and tier.used_bytes == 0
+    tier.close()  # waits for the background free
+    again = _tier(tmp_path, grow_slots=2)
+    assert again.recover(verify=True).num_blocks == 0  # both headers were zeroed
+    again.write(3, payload(3, 50_000))
+    assert bytes(again.read(3)) == payload(3, 50_000)
+    again.close()
