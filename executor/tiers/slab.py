@@ -83,10 +83,12 @@ _HEADER_CRC_AT = SLOT_HEADER_BYTES - 4
 _ZERO_PAGE = bytes(_ALIGN)
 """Written over a freed slot's first page: its header zeroed without the kernel reading
 the page first (a partial-page write of an uncached page reads it)."""
-_BACKGROUND_FREE_BYTES = 2 << 20
-"""Slots from this size on (read with O_DIRECT) are freed by a background thread: a
-buffered write to the slab waits for the file's in-flight direct reads (the inode lock),
-~100 ms during a batch of 64 MB promotes, which would stall the move that discards."""
+_DEFERRED_FREE_BYTES = 2 << 20
+"""Slots from this size on (read with O_DIRECT) are freed later, at the next ``sync``,
+allocation or ``close``: a buffered write to the slab file takes its inode lock
+exclusively, so it waits for the file's in-flight direct reads and holds back the next
+ones (a discard took ~100 ms during a batch of 64 MB promotes, and the batch's reads
+slowed to a third)."""
 _CHUNK_BYTES = 8 << 20
 _QUARANTINE = ".quarantine"
 _GROW_MAX_BYTES = 256 << 20
@@ -212,8 +214,9 @@ class SlabTier(Tier):
         self._io_lock = threading.Lock()
         """Serializes slab growth and descriptor opening (not reads or writes)."""
         self._parts_pool: ThreadPoolExecutor | None = None
-        self._freer: ThreadPoolExecutor | None = None
-        """Zeroes the headers of discarded large slots (``_release_later``)."""
+        self._to_free: list[tuple[_Slab, int]] = []
+        """Discarded large slots whose headers are zeroed at the next ``sync``, slot
+        allocation or ``close`` (``_release_later``)."""
         self._carried: RecoveryReport | None = None
         self._carried = self.recover(verify=False)
 
@@ -251,6 +254,12 @@ class SlabTier(Tier):
         with self._lock:
             if slab.free:
                 return slab, slab.free.pop()
+            deferred = bool(self._to_free)
+        if deferred:
+            self._free_deferred()
+            with self._lock:
+                if slab.free:
+                    return slab, slab.free.pop()
         with self._io_lock:
             with self._lock:
                 if slab.free:
@@ -264,16 +273,21 @@ class SlabTier(Tier):
                 return slab, start
 
     def _release_later(self, slab: _Slab, index: int) -> None:
-        """``_release`` on the background freer for large slots (the slot is reused
-        only once its header is zeroed), at once for small ones."""
-        if slab.slot_bytes < _BACKGROUND_FREE_BYTES:
+        """``_release`` now for small slots; large ones are queued for
+        ``_free_deferred`` (not reused before their header is zeroed; a crash before
+        that brings the block back, as an unsynced discard may)."""
+        if slab.slot_bytes < _DEFERRED_FREE_BYTES:
             self._release(slab, index)
             return
-        with self._io_lock:
-            if self._freer is None:
-                self._freer = ThreadPoolExecutor(1, thread_name_prefix=f"kvwarm-{self.name}-free")
-            freer = self._freer
-        freer.submit(self._release, slab, index)
+        with self._lock:
+            self._to_free.append((slab, index))
+
+    def _free_deferred(self) -> None:
+        """Zero the headers of the slots ``_release_later`` queued and free them."""
+        with self._lock:
+            queued, self._to_free = self._to_free, []
+        for slab, index in queued:
+            self._release(slab, index)
 
     def _release(self, slab: _Slab, index: int) -> None:
         """Zero a slot's header and return it to the free list."""
@@ -334,6 +348,7 @@ class SlabTier(Tier):
         call (then its pages dropped, ``drop_written_pages``). On a failure the slots
         are kept for the next call and the error raised: nothing is lost in memory,
         and the caller acknowledges nothing."""
+        self._free_deferred()
         with self._lock:
             dirty, self._unsynced = self._unsynced, {}
         for done, (slot_bytes, indexes) in enumerate(dirty.items()):
@@ -645,13 +660,12 @@ class SlabTier(Tier):
             yield index, os.pread(slab.fd, SLOT_HEADER_BYTES, index * slab.slot_bytes)
 
     def close(self) -> None:
+        self._free_deferred()
         with self._io_lock:
-            pools = [self._parts_pool, self._freer]
-            self._parts_pool = self._freer = None
+            pool, self._parts_pool = self._parts_pool, None
             slabs = list(self._slabs.values())
-        for pool in pools:
-            if pool is not None:
-                pool.shutdown(wait=True)  # discarded slots are freed before close returns
+        if pool is not None:
+            pool.shutdown(wait=True)
         for slab in slabs:
             for fd in (slab.fd, slab.direct_fd):
                 if fd is not None and fd >= 0:

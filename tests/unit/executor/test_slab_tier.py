@@ -352,18 +352,30 @@ def test_a_slab_grows_by_at_most_its_byte_cap(
     tier.close()
 
 
-def test_large_slots_are_freed_in_the_background_and_reused_only_once_zeroed(
+def test_large_slots_are_freed_at_the_next_sync_allocation_or_close(
     tmp_path: Path, payload: Payload, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(slab_module, "_BACKGROUND_FREE_BYTES", slot_bytes_for(50_000))
+    """A discarded large slot's header is zeroed later (a buffered write would wait for
+    the file's direct reads): not reused before, zeroed by sync, by an allocation that
+    needs a slot, or by close."""
+    monkeypatch.setattr(slab_module, "_DEFERRED_FREE_BYTES", slot_bytes_for(50_000))
     tier = _tier(tmp_path, grow_slots=2)
-    tier.write(1, payload(1, 50_000))
-    tier.write(2, payload(2, 1_000))  # a small slot: freed at once
-    assert tier.discard(1) and tier.discard(2)
-    assert not tier.contains(1) and tier.used_bytes == 0
-    tier.close()  # waits for the background free
+    for block in (1, 2):
+        tier.write(block, payload(block, 50_000))
+    tier.write(9, payload(9, 1_000))  # a small slot: freed at once
+    assert tier.discard(1) and tier.discard(9)
+    assert not tier.contains(1) and tier.used_bytes == 50_000
+    slab = tier._slabs[slot_bytes_for(50_000)]
+    assert len(tier._to_free) == 1 and slab.free == []  # queued, not reusable yet
+    tier.sync()
+    assert tier._to_free == [] and len(slab.free) == 1
+    tier.discard(2)
+    tier.write(3, payload(3, 50_000))  # takes the slot sync freed
+    tier.write(4, payload(4, 50_000))  # needs one more: frees the queued one first
+    assert _slab_file(tmp_path, 50_000).stat().st_size == 2 * slot_bytes_for(50_000)
+    tier.discard(3)
+    tier.close()  # frees what is queued
     again = _tier(tmp_path, grow_slots=2)
-    assert again.recover(verify=True).num_blocks == 0  # both headers were zeroed
-    again.write(3, payload(3, 50_000))
-    assert bytes(again.read(3)) == payload(3, 50_000)
+    assert again.recover(verify=True).num_blocks == 1 and again.contains(4)
+    assert bytes(again.read(4)) == payload(4, 50_000)
     again.close()
