@@ -22,6 +22,7 @@ Primitives:
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -198,10 +199,20 @@ class ChainParams(PolicyParams):
     snapshot_interval_ms: int = Field(
         10_000, ge=1, description="Training rows: live chains sampled this often."
     )
+    max_chain_age_ms: int = Field(
+        3_600_000, ge=1, description="Training rows: chains idle at most this long."
+    )
     num_boost_round: int = Field(200, ge=1, le=10_000, description="Most trees.")
     num_leaves: int = Field(15, ge=2, le=1024, description="Leaves per tree.")
     min_data_in_leaf: int = Field(50, ge=1, description="Fewest rows in a leaf.")
     max_chains: int = Field(50_000, ge=16, description="Live chains kept (memory bound).")
+    candidate_chains: int = Field(
+        2_048,
+        ge=1,
+        description="Prefetch candidates: the chains whose last turn is among this many most "
+        "recent ones are ranked (a conversation returns a median ~384 requests later on the "
+        "shared trace, so the last 128 requests' blocks miss most returns).",
+    )
     seed: int = Field(0, ge=0, description="Seed of training.")
 
 
@@ -224,7 +235,7 @@ class ChainPolicy(Policy):
         import lightgbm as lgb
 
         p = self.params
-        x, y, _ = chain_dataset(events, p.horizon_ms, p.snapshot_interval_ms)
+        x, y, _ = chain_dataset(events, p.horizon_ms, p.snapshot_interval_ms, p.max_chain_age_ms)
         if x.shape[0] < 20 or y.all() or not y.any():
             raise ValueError(
                 f"{x.shape[0]} chain rows with {int(y.sum())} returns: too few to learn "
@@ -255,6 +266,13 @@ class ChainPolicy(Policy):
         self.training_info = {"best_iteration": int(best), "rows": int(x.shape[0])}
         return self
 
+    def fresh_copy(self) -> ChainPolicy:
+        """Same params and model, empty tracker."""
+        clone = ChainPolicy(self.params)
+        clone.booster = self.booster
+        clone.training_info = dict(self.training_info)
+        return clone
+
     def predict_chains(self, leaves: Sequence[int], now_ms: int) -> np.ndarray:
         """P(continues within H) per live chain leaf."""
         if self.booster is None:
@@ -279,10 +297,13 @@ class ChainPolicy(Policy):
         )
 
     def prefetch_candidates(self, now_ms: int, limit: int) -> np.ndarray:
-        """Blocks of the chains most likely to continue within H, best chain first."""
+        """Blocks of the chains most likely to continue within H, best chain first,
+        among the ``candidate_chains`` most recently continued ones."""
         if self.booster is None or limit <= 0 or not self.tracker.chains:
             return np.zeros(0, dtype=np.uint64)
-        leaves = list(self.tracker.chains)[-4 * limit :]
+        chains = self.tracker.chains
+        n = min(len(chains), self.params.candidate_chains)
+        leaves = list(itertools.islice(reversed(chains), n))
         order = np.argsort(-self.predict_chains(leaves, now_ms), kind="stable")
         out: dict[int, None] = {}
         for i in order.tolist():

@@ -36,7 +36,7 @@ Primitives:
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -271,6 +271,24 @@ def guard_candidates(model: Policy) -> dict[str, Policy]:
     from predictor.baselines import LFUPolicy, LRUPolicy
 
     return {model.name: model, "lru": LRUPolicy(), "lfu": LFUPolicy()}
+
+
+def memory_capacity_blocks(
+    tier_names: Sequence[str], capacities_blocks: Sequence[int], memory_tiers: Sequence[str] = ()
+) -> int:
+    """Blocks the guard's cache stands for: the fastest tier and the memory tiers right
+    below it (``serving.defaults.GUARD_MEMORY_TIERS``: HBM and host DRAM), whose reads
+    cost little next to a storage tier's."""
+    if not memory_tiers:
+        from serving.defaults import GUARD_MEMORY_TIERS
+
+        memory_tiers = GUARD_MEMORY_TIERS
+    total = int(capacities_blocks[0])
+    for name, capacity in zip(tier_names[1:], capacities_blocks[1:], strict=False):
+        if name not in memory_tiers:
+            break
+        total += int(capacity)
+    return total
 
 
 def guarded(model: Policy, capacity_blocks: int, **params: Any) -> GuardedPolicy:

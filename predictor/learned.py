@@ -34,6 +34,7 @@ from predictor.base import (
     PolicyParams,
     as_hash_array,
 )
+from predictor.chain_model import ChainPolicy
 
 
 class NotFittedError(PolicyError):
@@ -93,15 +94,30 @@ class LearnedPolicy(Policy):
         self.fitted = False
         self.training_info: dict[str, Any] = {}
         """What ``fit`` learned besides the model: best iteration, importances ..."""
+        self.chain: ChainPolicy | None = None
+        """The per-chain return model (``predictor.chain_model``), when one was fitted
+        beside the block model: it follows conversations online and names the blocks of
+        the chains most likely back soon as prefetch candidates."""
 
     # --- online ---------------------------------------------------------------------
 
     def observe(self, event: Event) -> None:
         self.state.observe(event)
+        if self.chain is not None:
+            self.chain.observe(event)
 
     def observe_many(self, events: Iterable[Event]) -> None:
         # FeatureState batches requests; the result is bit-identical to one by one.
+        if self.chain is not None:
+            events = list(events)
+            self.chain.observe_many(events)
         self.state.observe_many(events)
+
+    def prefetch_candidates(self, now_ms: int, limit: int) -> np.ndarray:
+        """Blocks of the chains the chain model expects back soonest (none without one)."""
+        if self.chain is None:
+            return super().prefetch_candidates(now_ms, limit)
+        return self.chain.prefetch_candidates(now_ms, limit)
 
     def score(self, block_hashes: np.ndarray, now_ms: int) -> np.ndarray:
         """Stored scores where the refresh rule allows (``score_max_age_ms``), the rest
@@ -177,6 +193,7 @@ class LearnedPolicy(Policy):
         clone._adopt_model(self)
         clone.fitted = self.fitted
         clone.training_info = dict(self.training_info)
+        clone.chain = self.chain.fresh_copy() if self.chain is not None else None
         return clone
 
     @abc.abstractmethod

@@ -101,6 +101,8 @@ STATE_FIELDS: dict[str, tuple[str, ...]] = {
         "num_wasted",
         "num_rounds",
         "num_skipped",
+        "tier_weights",
+        "tier_rounds",
     ),
 }
 

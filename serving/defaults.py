@@ -33,3 +33,13 @@ read before leaving its tier (``serving.prefetch_gate``); below it, one round in
 probes. Wasted prefetches take link bandwidth from demand loads: on the seed's
 long-context setting, ungated prefetch at precision 0.13-0.15 made TTFT p50 5-13%
 worse than prewarming alone."""
+
+# -- the online guard (predictor.guard) ----------------------------------------------------
+GUARD_MEMORY_TIERS: Final = ("hbm", "dram")
+"""The guard's ghost caches are sized to the leading tiers named here (at least the
+fastest): in the tiered profile a block read from host DRAM costs ~0.33 ms against ~25 ms
+from NVMe, so TTFT follows what the served ranking keeps in HBM and DRAM together, not in
+HBM alone. Shared trace, 4,000 requests (``kvwarm bench quality --tiered``), HBM 1%: sized
+to HBM alone the guard served LFU in about half of the prefetch rounds, and guarded
+LightGBM's TTFT p50 was -2.9% / -1.8% against no prewarm at HBM 1% / 5%; sized to HBM +
+DRAM, -4.0% / -3.5% (the model alone: -4.5% / -3.3%)."""

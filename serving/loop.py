@@ -147,7 +147,11 @@ class Sidecar:
         ):
             return []
         self._last_prefetch_ms = now_ms
-        if self.prefetch_gate is not None and not self.prefetch_gate.allow_round():
+        gate = self.prefetch_gate
+        levels = min(self.prefetch_levels, self.placement.num_tiers - 1)
+        # Each target tier is gated on the precision of its own prefetches.
+        targets = [t for t in range(levels) if gate is None or gate.allow_round(t)]
+        if not targets:
             return []
         # Blocks of recent requests, then what the policy expects back soon beyond them.
         predicted = self.policy.prefetch_candidates(now_ms, PREDICTED_CANDIDATES).tolist()
@@ -176,12 +180,25 @@ class Sidecar:
                 out[missing] = self.score(blocks[missing], at_ms)
             return out.astype(np.float32)
 
+        # The fastest tier, small and quick to churn, takes only what the policy
+        # predicts when it predicts anything: a recent request's block moved back up
+        # there was read before it left again far less often (shared trace, 4,000
+        # requests, HBM 1%: 2% of such prefetches against 14% of predicted ones).
+        fastest = candidates
+        if predicted:
+            wanted = set(predicted)
+            fastest = [b for b in candidates if b in wanted]
         moves: list[Move] = []
         # Fill each tier from the ones below it, slowest last: a block predicted to
         # return soon climbs as far as it outscores the residents it would displace.
-        for target in range(min(self.prefetch_levels, self.placement.num_tiers - 1)):
+        for target in targets:
             moves += self.planner.prefetch(
-                self.placement, candidates, score_round, now_ms, target, self.prefetch_admit
+                self.placement,
+                fastest if target == 0 else candidates,
+                score_round,
+                now_ms,
+                target,
+                self.prefetch_admit,
             )
         if moves:
             self._emit(None, moves, now_ms)

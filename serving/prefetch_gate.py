@@ -13,11 +13,20 @@ Resolution of a prefetched block: *used* when a request reads it while it sits i
 the tier it was prefetched into; *wasted* when a move takes it out of that tier first.
 At most ``max_pending`` prefetched blocks await resolution (the oldest are dropped
 unresolved), so memory is bounded.
+
+Per target tier: the precision is also kept for each tier prefetched into, and
+``allow_round(tier)`` gates that tier's rounds on its own precision. A block prefetched
+into a large, slow-churning tier (DRAM) stays long enough to be read far more often
+than one prefetched into a small, fast-churning one (HBM); one pooled figure closed
+both at once (shared trace, 4,000 requests, HBM 1%: 1,469 of 1,657 rounds skipped, so
+NVMe-to-DRAM prefetch that pays was skipped with HBM prefetch that did not).
+``allow_round()`` without a tier gates on the pooled precision.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import Any
 
 from serving.placement import NOWHERE
 from serving.planner import Move
@@ -40,8 +49,12 @@ class PrefetchGate:
         self.probe_every = probe_every
         self.max_pending = max_pending
         self._decay = 1.0 - 1.0 / window
+        self.prior_outcomes = prior_outcomes
         self.used_weight = prior_outcomes  # optimistic prior: every prior outcome used
         self.total_weight = prior_outcomes
+        self.tier_weights: dict[int, list[float]] = {}
+        """Target tier -> [used weight, total weight] of its prefetches (same prior)."""
+        self.tier_rounds: dict[int, int] = {}
         self.pending: dict[int, int] = {}
         """Prefetched block -> the tier it was prefetched into, until resolved."""
         self.num_used = 0
@@ -57,17 +70,33 @@ class PrefetchGate:
     def open(self) -> bool:
         return self.precision >= self.min_precision
 
-    def allow_round(self) -> bool:
-        """Whether this prefetch round runs (counted either way)."""
-        self.num_rounds += 1
-        if self.open or self.num_rounds % self.probe_every == 0:
+    def precision_of(self, tier: int) -> float:
+        """The precision of prefetches into ``tier`` (the prior before any resolved)."""
+        used, total = self.tier_weights.get(tier, (self.prior_outcomes, self.prior_outcomes))
+        return used / total if total else 1.0
+
+    def allow_round(self, tier: int | None = None) -> bool:
+        """Whether this prefetch round (into ``tier``; None: any tier, on the pooled
+        precision) runs, counted either way."""
+        if tier is None:
+            self.num_rounds += 1
+            rounds, is_open = self.num_rounds, self.open
+        else:
+            rounds = self.tier_rounds[tier] = self.tier_rounds.get(tier, 0) + 1
+            is_open = self.precision_of(tier) >= self.min_precision
+            if tier == 0:
+                self.num_rounds += 1
+        if is_open or rounds % self.probe_every == 0:
             return True
         self.num_skipped += 1
         return False
 
-    def _resolve(self, used: bool) -> None:
+    def _resolve(self, used: bool, tier: int = 0) -> None:
         self.used_weight = self.used_weight * self._decay + (1.0 if used else 0.0)
         self.total_weight = self.total_weight * self._decay + 1.0
+        w = self.tier_weights.setdefault(tier, [self.prior_outcomes, self.prior_outcomes])
+        w[0] = w[0] * self._decay + (1.0 if used else 0.0)
+        w[1] = w[1] * self._decay + 1.0
         if used:
             self.num_used += 1
         else:
@@ -79,8 +108,9 @@ class PrefetchGate:
         if not pending:
             return
         for block in blocks:
-            if pending.pop(block, None) is not None:
-                self._resolve(True)
+            tier = pending.pop(block, None)
+            if tier is not None:
+                self._resolve(True, tier)
 
     def on_moves(self, moves: Iterable[Move]) -> None:
         """Moves emitted: prefetches start waiting; a pending block moved out of its tier
@@ -93,9 +123,9 @@ class PrefetchGate:
                     del pending[next(iter(pending))]  # the oldest, unresolved
             elif m.block in pending and m.from_tier == pending[m.block]:
                 del pending[m.block]
-                self._resolve(False)
+                self._resolve(False, m.from_tier)
 
-    def status(self) -> dict[str, float | int | bool]:
+    def status(self) -> dict[str, Any]:
         return {
             "precision": round(self.precision, 4),
             "open": self.open,
@@ -103,4 +133,7 @@ class PrefetchGate:
             "wasted": self.num_wasted,
             "rounds": self.num_rounds,
             "skipped_rounds": self.num_skipped,
+            "precision_by_tier": {
+                str(t): round(self.precision_of(t), 4) for t in sorted(self.tier_weights)
+            },
         }

@@ -607,13 +607,15 @@ class Service:
         return total
 
     def _guarded(self, policy: Policy) -> Policy:
-        """A learned model behind the online guard sized to the fastest tier (when
+        """A learned model behind the online guard sized to the fastest tier and the
+        memory tiers below it (``predictor.guard.memory_capacity_blocks``, when
         ``settings.guard``); baselines unchanged."""
         if not (self.settings.guard and policy.outputs_probability):
             return policy
-        from predictor.guard import guarded
+        from predictor.guard import guarded, memory_capacity_blocks
 
-        return guarded(policy, self.placement.capacities[0])
+        placement = self.placement
+        return guarded(policy, memory_capacity_blocks(placement.tier_names, placement.capacities))
 
     def _now_for_executor(self) -> float:
         return float(self.now_ms if self.clock is None else wall_ms())

@@ -54,7 +54,8 @@ from serving.state_store import StateStore
 
 log = logging.getLogger(__name__)
 
-SNAPSHOT_VERSION = 2
+SNAPSHOT_VERSION = 3
+"""3: the prefetch gate keeps its precision per target tier."""
 
 
 @dataclass

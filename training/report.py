@@ -33,6 +33,7 @@ from features.annotate import access_arrays
 from features.events import BlocksAccessed
 from features.trace_stats import fmt_number
 from predictor.base import Policy
+from predictor.guard import memory_capacity_blocks
 from predictor.learned import LearnedPolicy
 from predictor.oracle import FutureAccesses
 from predictor.registry import make_policy
@@ -270,7 +271,12 @@ def run_comparison(
             )
             report.tiered.extend(
                 tiered_rows(
-                    functools.partial(fresh, capacity_blocks=capacity),
+                    functools.partial(
+                        fresh,
+                        capacity_blocks=memory_capacity_blocks(
+                            setup.profile.tier_names, setup.capacities_blocks()
+                        ),
+                    ),
                     config.policies,
                     test,
                     setup,

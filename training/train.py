@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import copy
 import hashlib
+import logging
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
@@ -35,11 +36,14 @@ from features.events import BlocksAccessed
 from features.feature_set import FEATURE_VERSION
 from features.state import FeatureParams
 from predictor import make_policy
+from predictor.chain_model import ChainPolicy
 from predictor.learned import LearnedPolicy
 from predictor.oracle import FutureAccesses
 from training.dataset import Dataset, build_dataset
 from training.evaluate import PolicyEvaluation, evaluate_policies
 from training.metrics import TOP_K_FRACTIONS
+
+log = logging.getLogger(__name__)
 
 LEARNED_MODELS = ("lightgbm", "lstm")
 BASELINES = ("lru", "lfu", "prefix_lru", "oracle")
@@ -629,4 +633,24 @@ def fit_policy_on_events(
         model_params=quick_params if quick else {},
     )
     policy.training_info["time_base"] = {"unit": "ms", "clock": "event", "time_scale": time_scale}
+    policy.chain = fit_chain_model(events, horizon_ms, seed=seed)
     return policy
+
+
+def fit_chain_model(
+    events: Sequence[BlocksAccessed], horizon_ms: int, *, seed: int = 0
+) -> ChainPolicy | None:
+    """The per-chain return model for the same horizon (``predictor.chain_model``):
+    live chains sampled six times per horizon, idle for at most 60 horizons (1 h at the
+    default 60 s). None, with a warning, where the trace has too few chain returns."""
+    params = ChainPolicy.Params(
+        horizon_ms=horizon_ms,
+        snapshot_interval_ms=max(1, horizon_ms // 6),
+        max_chain_age_ms=60 * horizon_ms,
+        seed=seed,
+    )
+    try:
+        return ChainPolicy(params).fit(events)
+    except ValueError as exc:
+        log.warning("no chain return model: %s", exc)
+        return None

@@ -60,3 +60,32 @@ def test_policy_scores_blocks_by_their_chain_and_offers_prefetch_candidates(fitt
     assert policy.score(np.array([2**63 + 7], dtype=np.uint64), now_ms)[0] == 0.0
     candidates = policy.prefetch_candidates(now_ms, 64)
     assert 0 < candidates.shape[0] <= 64 and candidates.dtype == np.uint64
+
+
+def test_candidates_come_from_the_most_recent_chains_only(fitted):
+    policy, train, _ = fitted
+    narrow = policy.fresh_copy()
+    narrow.params = narrow.params.model_copy(update={"candidate_chains": 3})
+    narrow.observe_many(train)
+    now_ms = train[-1].ts_ms + 1
+    recent = list(narrow.tracker.chains)[-3:]
+    allowed = {b for leaf in recent for b in narrow.tracker.chains[leaf].blocks}
+    candidates = set(narrow.prefetch_candidates(now_ms, 10_000).tolist())
+    assert candidates and candidates <= allowed
+    assert policy.fresh_copy().booster is policy.booster and not policy.fresh_copy().tracker.chains
+
+
+def test_learned_policies_carry_the_chain_model_and_offer_its_candidates():
+    from training.train import fit_policy_on_events
+
+    train, _ = split_events(generated_events("planted", 1_500, seed=1), 0.6)
+    model = fit_policy_on_events("lightgbm", train, quick=True, horizon_ms=HORIZON_MS)
+    assert model.chain is not None and model.chain.params.horizon_ms == HORIZON_MS
+    copy = model.fresh_copy()
+    assert copy.chain is not None and copy.chain is not model.chain
+    assert copy.prefetch_candidates(0, 64).shape == (0,)  # nothing observed yet
+    copy.observe_many(train)
+    now_ms = train[-1].ts_ms + 1
+    expected = copy.chain.prefetch_candidates(now_ms, 64)
+    assert expected.shape[0] > 0
+    assert np.array_equal(copy.prefetch_candidates(now_ms, 64), expected)

@@ -138,3 +138,15 @@ def test_default_candidates_are_the_model_lru_and_lfu(planted_model):
     guard = guarded(model.fresh_copy(), 1_000)
     assert list(guard.candidates) == ["lightgbm", "lru", "lfu"]
     assert guard.chosen == "lru"
+
+
+def test_the_guard_stands_for_the_fastest_tier_and_the_memory_tiers_below_it():
+    from predictor.guard import memory_capacity_blocks
+
+    assert (
+        memory_capacity_blocks(["hbm", "dram", "nvme", "remote"], [300, 7_000, 10**6, 10**7])
+        == 7_300
+    )
+    assert memory_capacity_blocks(["hbm", "nvme", "dram"], [300, 10**6, 7_000]) == 300
+    assert memory_capacity_blocks(["hbm"], [300]) == 300
+    assert memory_capacity_blocks(["gpu", "host"], [10, 20], memory_tiers=("host",)) == 30
