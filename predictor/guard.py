@@ -94,6 +94,14 @@ class GuardParams(PolicyParams):
     min_requests_between_switches: int = Field(
         500, ge=0, description="Hysteresis: requests served by a candidate before it can lose."
     )
+    outer_capacity_blocks: int | None = Field(
+        None,
+        ge=1,
+        description="A second cache size to estimate at (tiered serving: HBM + DRAM, see "
+        "memory_capacity_blocks); the estimate is then the mean of the two scales' hit "
+        "ratios, so the served ranking is judged on the fastest tier and on what the "
+        "memory tiers hold together. None: the fastest tier alone.",
+    )
     initial: str = Field(
         "lru",
         description="Candidate served until the estimates say otherwise (the safe one).",
@@ -177,6 +185,23 @@ class GuardedPolicy(Policy):
         }
         self.hits = dict.fromkeys(self.candidates, 0.0)
         self.accesses = 0.0
+        # The outer scale (HBM + DRAM): its own sample and ghosts, same candidates.
+        outer = (
+            p.outer_capacity_blocks if (p.outer_capacity_blocks or 0) > p.capacity_blocks else None
+        )
+        outer_capacity = min(outer or 1, p.ghost_blocks)
+        self.outer_rate = outer_capacity / outer if outer else 0.0
+        self._outer_threshold = int(self.outer_rate * (1 << _SAMPLE_BITS))
+        self.outer_ghosts = (
+            {
+                name: _Ghost(outer_capacity, p.seed + len(self.candidates) + i)
+                for i, name in enumerate(self.candidates)
+            }
+            if outer
+            else {}
+        )
+        self.outer_hits = dict.fromkeys(self.outer_ghosts, 0.0)
+        self.outer_accesses = 0.0
         self.num_sampled_accesses = 0
         self.num_requests = 0
         self.num_switches = 0
@@ -189,11 +214,11 @@ class GuardedPolicy(Policy):
         """The candidate whose scores are served now."""
         return self.candidates[self.chosen]
 
-    def _sampled(self, blocks: tuple[int, ...]) -> list[int]:
-        if self._threshold >= 1 << _SAMPLE_BITS:
+    def _sampled(self, blocks: tuple[int, ...], threshold: int | None = None) -> list[int]:
+        limit = self._threshold if threshold is None else threshold
+        if limit >= 1 << _SAMPLE_BITS:
             return list(dict.fromkeys(blocks))
         shift = 64 - _SAMPLE_BITS
-        limit = self._threshold
         return list(
             dict.fromkeys(b for b in blocks if ((b * _GOLDEN64) & _MASK64) >> shift < limit)
         )
@@ -204,12 +229,20 @@ class GuardedPolicy(Policy):
         if not isinstance(event, BlocksAccessed):
             return
         self.num_requests += 1
+        p = self.params
+        if self.outer_ghosts:
+            outer = self._sampled(event.block_hashes, self._outer_threshold)
+            if outer:
+                decay = self._decay_per_access ** len(outer)
+                for name, ghost in self.outer_ghosts.items():
+                    h = ghost.access(outer, self.candidates[name], event.ts_ms, p.eviction_sample)
+                    self.outer_hits[name] = self.outer_hits[name] * decay + h
+                self.outer_accesses = self.outer_accesses * decay + len(outer)
         blocks = self._sampled(event.block_hashes)
         if not blocks:
             return
         n = len(blocks)
         decay = self._decay_per_access**n
-        p = self.params
         for name, ghost in self.ghosts.items():
             h = ghost.access(blocks, self.candidates[name], event.ts_ms, p.eviction_sample)
             self.hits[name] = self.hits[name] * decay + h
@@ -233,10 +266,29 @@ class GuardedPolicy(Policy):
             self.num_switches += 1
 
     def estimates(self) -> dict[str, float]:
-        """Decayed ghost hit ratio per candidate (0 before any sampled access)."""
-        if self.accesses <= 0:
-            return dict.fromkeys(self.candidates, 0.0)
-        return {name: h / self.accesses for name, h in self.hits.items()}
+        """Decayed ghost hit ratio per candidate (0 before any sampled access); with an
+        outer scale, the mean of the two scales' (``estimates_by_scale``)."""
+        scales = self.estimates_by_scale()
+        if "outer" not in scales:
+            return scales["fastest"]
+        return {
+            name: (scales["fastest"][name] + scales["outer"][name]) / 2.0
+            for name in self.candidates
+        }
+
+    def estimates_by_scale(self) -> dict[str, dict[str, float]]:
+        """``fastest``: the decayed ghost hit ratios at ``capacity_blocks``; ``outer``
+        (when set): at ``outer_capacity_blocks``."""
+
+        def ratios(hits: dict[str, float], accesses: float) -> dict[str, float]:
+            if accesses <= 0:
+                return dict.fromkeys(self.candidates, 0.0)
+            return {name: h / accesses for name, h in hits.items()}
+
+        out = {"fastest": ratios(self.hits, self.accesses)}
+        if self.outer_ghosts:
+            out["outer"] = ratios(self.outer_hits, self.outer_accesses)
+        return out
 
     def score(self, block_hashes: np.ndarray, now_ms: int) -> np.ndarray:
         return self.serving.score(as_hash_array(block_hashes), now_ms)
@@ -257,6 +309,8 @@ class GuardedPolicy(Policy):
                 "sampled_accesses": self.num_sampled_accesses,
                 "sampling_rate": self.rate,
                 "capacity_blocks": self.params.capacity_blocks,
+                "outer_capacity_blocks": self.params.outer_capacity_blocks,
+                "estimated_hit_ratio_by_scale": self.estimates_by_scale(),
             },
         }
 

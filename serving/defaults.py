@@ -36,10 +36,13 @@ worse than prewarming alone."""
 
 # -- the online guard (predictor.guard) ----------------------------------------------------
 GUARD_MEMORY_TIERS: Final = ("hbm", "dram")
-"""The guard's ghost caches are sized to the leading tiers named here (at least the
-fastest): in the tiered profile a block read from host DRAM costs ~0.33 ms against ~25 ms
-from NVMe, so TTFT follows what the served ranking keeps in HBM and DRAM together, not in
-HBM alone. Shared trace, 4,000 requests (``kvwarm bench quality --tiered``), HBM 1%: sized
-to HBM alone the guard served LFU in about half of the prefetch rounds, and guarded
-LightGBM's TTFT p50 was -2.9% / -1.8% against no prewarm at HBM 1% / 5%; sized to HBM +
-DRAM, -4.0% / -3.5% (the model alone: -4.5% / -3.3%)."""
+"""Besides the fastest tier, the guard estimates at the size of the leading tiers named
+here together (``GuardParams.outer_capacity_blocks``) and judges on the mean of the two:
+in the tiered profile a block read from host DRAM costs ~0.33 ms against ~25 ms from
+NVMe, so TTFT follows what the served ranking keeps in HBM and DRAM together as well as
+in HBM. ``kvwarm bench quality --tiered``, guarded LightGBM's TTFT p50 against no
+prewarm at HBM 1/5/10% judged on HBM alone / on HBM + DRAM alone / on both: shared trace
+(4,000 requests) -3.7/-1.7/-3.5%, -4.7/-3.4/-3.5%, -4.7/-3.4/-3.5% (judged on HBM alone
+the guard served LFU in about half of the prefetch rounds at 1%); sharedprefix -1.4/-1.0/-0.7%,
+-0.9/-0.1/-0.3% (every candidate ties at that size and the guard stays on LRU),
+-1.4/-1.0/-0.7%."""

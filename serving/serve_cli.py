@@ -607,15 +607,21 @@ class Service:
         return total
 
     def _guarded(self, policy: Policy) -> Policy:
-        """A learned model behind the online guard sized to the fastest tier and the
-        memory tiers below it (``predictor.guard.memory_capacity_blocks``, when
-        ``settings.guard``); baselines unchanged."""
+        """A learned model behind the online guard, estimating at the fastest tier's
+        size and at that of the memory tiers together (``predictor.guard.
+        memory_capacity_blocks``), when ``settings.guard``; baselines unchanged."""
         if not (self.settings.guard and policy.outputs_probability):
             return policy
         from predictor.guard import guarded, memory_capacity_blocks
 
         placement = self.placement
-        return guarded(policy, memory_capacity_blocks(placement.tier_names, placement.capacities))
+        return guarded(
+            policy,
+            placement.capacities[0],
+            outer_capacity_blocks=memory_capacity_blocks(
+                placement.tier_names, placement.capacities
+            ),
+        )
 
     def _now_for_executor(self) -> float:
         return float(self.now_ms if self.clock is None else wall_ms())

@@ -152,6 +152,7 @@ def _guarded(
     future: FutureAccesses,
     warm_head: dict[str, Policy],
     train: Sequence[BlocksAccessed],
+    outer_capacity_blocks: int | None = None,
 ) -> Policy:
     """``name`` behind the online guard for a fast tier of ``capacity_blocks``: the
     candidates observe the training part batched up to its last
@@ -161,7 +162,10 @@ def _guarded(
     cut = max(0, len(train) - GUARD_WARMUP_REQUESTS)
     head, tail = train[:cut], train[cut:]
     candidates = {n: _fresh(n, trained, future, warm_head, head) for n in (name, "lru", "lfu")}
-    guard = GuardedPolicy(GuardParams(capacity_blocks=capacity_blocks), candidates)
+    guard = GuardedPolicy(
+        GuardParams(capacity_blocks=capacity_blocks, outer_capacity_blocks=outer_capacity_blocks),
+        candidates,
+    )
     guard.observe_many(tail)
     return guard
 
@@ -218,9 +222,11 @@ def run_comparison(
     warm: dict[str, Policy] = {}
     warm_head: dict[str, Policy] = {}
 
-    def fresh(name: str, capacity_blocks: int) -> Policy:
+    def fresh(name: str, capacity_blocks: int, outer_capacity_blocks: int | None = None) -> Policy:
         if config.guard and name in LEARNED:
-            return _guarded(name, capacity_blocks, trained, future, warm_head, train)
+            return _guarded(
+                name, capacity_blocks, trained, future, warm_head, train, outer_capacity_blocks
+            )
         return _fresh(name, trained, future, warm, train)
 
     from serving.planner import PlannerParams
@@ -273,7 +279,8 @@ def run_comparison(
                 tiered_rows(
                     functools.partial(
                         fresh,
-                        capacity_blocks=memory_capacity_blocks(
+                        capacity_blocks=capacity,
+                        outer_capacity_blocks=memory_capacity_blocks(
                             setup.profile.tier_names, setup.capacities_blocks()
                         ),
                     ),

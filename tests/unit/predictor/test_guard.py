@@ -150,3 +150,29 @@ def test_the_guard_stands_for_the_fastest_tier_and_the_memory_tiers_below_it():
     assert memory_capacity_blocks(["hbm", "nvme", "dram"], [300, 10**6, 7_000]) == 300
     assert memory_capacity_blocks(["hbm"], [300]) == 300
     assert memory_capacity_blocks(["gpu", "host"], [10, 20], memory_tiers=("host",)) == 30
+
+
+def test_an_outer_scale_decides_where_the_fastest_tier_cannot_tell_them_apart():
+    """Pure recency with a fastest tier of one block (LRU leads LFU there by less than
+    the 0.02 switching margin) and memory tiers of 160: only the outer scale sees LRU
+    win clearly."""
+    events = recency_events()
+
+    def run(outer):
+        params = GuardParams(
+            capacity_blocks=1, outer_capacity_blocks=outer, initial="lfu", switch_margin=0.02
+        )
+        guard = GuardedPolicy(params, {"lfu": LFUPolicy(), "lru": LRUPolicy()})
+        return guard, _switch_request(guard, events, "lru")
+
+    alone, never = run(None)
+    assert never is None and "outer" not in alone.estimates_by_scale()
+    assert max(alone.estimates().values()) < 0.02
+    both, switched_at = run(160)
+    assert switched_at is not None and switched_at < SWITCH_WITHIN_REQUESTS, both.estimates()
+    scales = both.estimates_by_scale()
+    assert scales["outer"]["lru"] > scales["outer"]["lfu"] + 0.05
+    assert both.estimates()["lru"] == pytest.approx(
+        (scales["fastest"]["lru"] + scales["outer"]["lru"]) / 2
+    )
+    assert both.online_status()["guard"]["outer_capacity_blocks"] == 160

@@ -301,7 +301,8 @@ def test_a_learned_model_is_served_behind_the_guard_visible_in_health_and_metric
         service.run(max_events=1_200)
         guard = service.sidecar.policy
         assert isinstance(guard, GuardedPolicy)
-        assert guard.params.capacity_blocks == 500 + 4_000  # HBM and DRAM (memory tiers)
+        assert guard.params.capacity_blocks == 500
+        assert guard.params.outer_capacity_blocks == 500 + 4_000  # HBM and DRAM
         health = service.health()["guard"]
         assert health["chosen"] in ("lightgbm", "lru", "lfu")
         assert set(health["estimated_hit_ratio"]) == {"lightgbm", "lru", "lfu"}
