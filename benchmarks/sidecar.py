@@ -208,6 +208,76 @@ def open_loop(
     return len(events) / elapsed, float(np.percentile(lat, 50)), float(np.percentile(lat, 99))
 
 
+class _ArrivalTimedSource:
+    """Wraps a ``KafkaEventSource``: at each commit, records every event handled since
+    the last one with its latency from the moment the producer sent it (``sent``:
+    request id -> ``perf_counter`` time), so time waiting in Kafka counts."""
+
+    def __init__(self, inner: Any, sent: dict[str, float]) -> None:
+        self.inner = inner
+        self.sent = sent
+        self.pending: list[str] = []
+        self.latencies_s: list[float] = []
+
+    def poll(self, max_events: int, timeout_ms: int) -> list[Any]:
+        events = self.inner.poll(max_events, timeout_ms)
+        self.pending += [getattr(e, "request_id", "") for e in events]
+        return events
+
+    def commit(self) -> None:
+        self.inner.commit()
+        now = time.perf_counter()
+        self.latencies_s += [now - self.sent[r] for r in self.pending if r in self.sent]
+        self.pending.clear()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+
+def kafka_open_loop(
+    settings_kwargs: dict[str, Any],
+    events: list[Any],
+    rate_events_per_s: float,
+    bootstrap: str,
+    topic: str,
+) -> tuple[float, float, float]:
+    """(achieved events/s, p50 ms, p99 ms): a producer thread sends ``events`` into a
+    one-partition ``topic`` at ``rate_events_per_s`` while the sidecar consumes it;
+    latency per event from its send to its decisions' commit."""
+    from serving.kafka_io import KafkaEventProducer, KafkaEventSource, ensure_topics
+
+    ensure_topics(bootstrap, {topic: 1})
+    sent: dict[str, float] = {}
+    source = _ArrivalTimedSource(KafkaEventSource(bootstrap, topic, group_id=topic + ".g"), sent)
+    source.inner.poll(1, timeout_ms=10_000)  # join the group before the clock starts
+    service = Service(load_settings(None, **settings_kwargs), source=source)  # type: ignore[arg-type]
+
+    def produce() -> None:
+        with KafkaEventProducer(bootstrap, topic, client_id="kvwarm-bench-open") as producer:
+            start = time.perf_counter()
+            for i, event in enumerate(events):
+                delay = start + i / rate_events_per_s - time.perf_counter()
+                if delay > 0:
+                    time.sleep(delay)
+                sent[event.request_id] = time.perf_counter()
+                producer.send_event(event)
+            producer.flush()
+
+    producer = threading.Thread(target=produce, name="bench-open-producer", daemon=True)
+    stop_watchdog = _watchdog(service, STALL_S)
+    try:
+        t0 = time.perf_counter()
+        producer.start()
+        service.run(max_events=len(events))
+        elapsed = time.perf_counter() - t0
+    finally:
+        stop_watchdog.set()
+        producer.join(timeout=60)
+        service.close()
+    lat = np.array(source.latencies_s or [0.0]) * 1000
+    return len(events) / elapsed, float(np.percentile(lat, 50)), float(np.percentile(lat, 99))
+
+
 def _print(results: list[RunResult], baseline: RunResult) -> None:
     click.echo(
         f"{'run':<26}{'accesses/s':>12}{'x LRU':>7}{'p50 ms':>9}{'p99 ms':>9}"
@@ -349,3 +419,35 @@ def serve_bench(
             kafka_runs.append(run_once(label, kwargs))
         click.echo("")
         _print(kafka_runs, kafka_runs[0])
+        if fractions:
+            click.echo(
+                "\nopen loop through Kafka (1 partition): a producer sends the events at "
+                "offered rates (latency per event from its send to its decisions' commit):"
+            )
+            click.echo(f"{'run':<26}{'offered/s':>11}{'achieved/s':>12}{'p50 ms':>9}{'p99 ms':>9}")
+            for (label, spec), saturated in zip(
+                (("kafka open  lru", "lru"), ("kafka open  learned", model)),
+                kafka_runs,
+                strict=True,
+            ):
+                max_rate = saturated.events / saturated.elapsed_s
+                for fraction in fractions:
+                    name = label.split()[-1]
+                    kwargs = {
+                        **common,
+                        "model": spec,
+                        "decisions": (
+                            f"kafka://{kafka_bootstrap}/kvwarm.bench.decisions.open.{tag}",
+                        ),
+                    }
+                    achieved, p50, p99 = kafka_open_loop(
+                        kwargs,
+                        events,
+                        fraction * max_rate,
+                        kafka_bootstrap,
+                        f"kvwarm.bench.events.open.{name}.{fraction:g}.{tag}",
+                    )
+                    click.echo(
+                        f"{label + f' @{fraction:g}x':<26}{fraction * max_rate:>11,.0f}"
+                        f"{achieved:>12,.0f}{p50:>9.2f}{p99:>9.2f}"
+                    )
