@@ -34,10 +34,8 @@ stretch into tiers that declare ``Tier.group_commits_writes`` (disk tiers) stop 
 writing their destination where no reader sees it (``Tier.stage_write``); once the
 stretch's moves have all run, each such tier commits its group at once
 (``Tier.commit_staged``: one sync for the group), and only then are the sources
-discarded and the decisions journaled ``done``. A stretch's commit runs on the
-committer thread while ``apply`` runs the next stretch (the last one's in the caller's
-thread); ``apply`` returns once every commit is done. The order per move is the one
-above, so recovery is unchanged. A block with a staged move is held by that ``apply``
+discarded and the decisions journaled ``done``, in the caller's thread. The order per
+move is the one above, so recovery is unchanged. A block with a staged move is held by that ``apply``
 until its commit: other calls that would change it wait (reads still get the source
 copy); ``apply`` calls run one at a time.
 
@@ -235,9 +233,6 @@ class Executor(protocol.Executor):
         self._writeback_tiers = [t.name for t in tiers if t.writes_back]
         self._stripes = [threading.RLock() for _ in range(_NUM_LOCK_STRIPES)]
         self._apply_lock = threading.Lock()
-        self._committer = ThreadPoolExecutor(1, thread_name_prefix="kvwarm-commit")
-        """Group commits of staged moves, one stretch after another, while ``apply``
-        runs the next stretch."""
         self._staged_keys: set[str] = set()
         """Keys with a staged move (``group_commit_writes``): changed by nothing else
         until their group commits. Added and removed under the key's stripe lock."""
@@ -399,23 +394,10 @@ class Executor(protocol.Executor):
         # One batch at a time: a batch's pool tasks may wait for keys another batch
         # has staged, whose own tasks could then be queued behind them.
         with self._apply_lock:
-            commits: list[Future[None]] = []
-            try:
-                while start < len(items):
-                    end, fits = self._fitting_stretch(items, keys, start)
-                    if not fits and commits:
-                        # Its room may be what a committing stretch frees (the sources
-                        # of its moves): let those finish first.
-                        self._wait_commits(commits)
-                        end, fits = self._fitting_stretch(items, keys, start)
-                    # The last stretch commits in this thread: nothing is left to overlap.
-                    queue = commits if end < len(items) else None
-                    self._apply_parallel(
-                        items, keys, range(start, end), outcomes, num_done, started, queue
-                    )
-                    start = end
-            finally:
-                self._wait_commits(commits)
+            while start < len(items):
+                end = self._fitting_stretch(items, keys, start)
+                self._apply_parallel(items, keys, range(start, end), outcomes, num_done, started)
+                start = end
         if self.sync_each_apply:
             # Group commit: one journal fsync (and write-back tier sync) for the batch.
             self.sync()
@@ -431,12 +413,10 @@ class Executor(protocol.Executor):
             self._tiers[name].sync()
         self.journal.sync()
 
-    def _fitting_stretch(
-        self, items: list[Decision], keys: list[str], start: int
-    ) -> tuple[int, bool]:
+    def _fitting_stretch(self, items: list[Decision], keys: list[str], start: int) -> int:
         """End (exclusive) of the longest stretch from ``start`` whose moves fit in
-        their destinations whatever their order, and True; a move that does not fit now
-        is a stretch of its own, with False."""
+        their destinations whatever their order; a move that does not fit now is a
+        stretch of its own."""
         free = {name: self._tiers[name].free_bytes for name in self._order}
         end = start
         while end < len(items):
@@ -447,18 +427,10 @@ class Executor(protocol.Executor):
                 size = (self._tiers[where].size_of(key) or 0) if where else 0
                 if free[d.to_tier] < size:
                     # Alone, so that it is refused before what follows makes room.
-                    return (end, True) if end > start else (end + 1, False)
+                    return end if end > start else end + 1
                 free[d.to_tier] -= size
             end += 1
-        return end, True
-
-    def _wait_commits(self, commits: list[Future[None]]) -> None:
-        """Wait for every pending group commit of this ``apply``; re-raise the first
-        error once all are done."""
-        wait(commits)
-        done, commits[:] = list(commits), []
-        for future in done:
-            future.result()
+        return end
 
     def _apply_parallel(
         self,
@@ -468,11 +440,7 @@ class Executor(protocol.Executor):
         outcomes: list[Outcome | _StagedMove | None],
         num_done: list[int],
         started: float,
-        commits: list[Future[None]] | None,
     ) -> None:
-        """Run a stretch; its staged moves' group commit is queued on the committer
-        thread (appended to ``commits``), so the next stretch runs while it syncs, or
-        (``commits`` None) run here."""
         groups: dict[str, list[int]] = {}
         for i in span:
             groups.setdefault(keys[i], []).append(i)
@@ -510,13 +478,8 @@ class Executor(protocol.Executor):
             finally:
                 self._wait_with_progress(futures, num_done, len(items), started)
         finally:
-            if commits is None:
-                self._commit_staged_moves(outcomes, span)
-            elif any(isinstance(outcomes[i], _StagedMove) for i in span):
-                # Keys of staged moves stay held until their commit: a later decision
-                # on one waits for it. The next stretch's room is counted without what
-                # these moves free (``apply`` waits when that matters).
-                commits.append(self._committer.submit(self._commit_staged_moves, outcomes, span))
+            # Before the next stretch, which may need the room these moves free.
+            self._commit_staged_moves(outcomes, span)
         for future in futures:
             future.result()
 
@@ -961,7 +924,6 @@ class Executor(protocol.Executor):
         return True
 
     def close(self) -> None:
-        self._committer.shutdown(wait=True)
         for pool in self._pools.values():
             pool.shutdown(wait=True)
         for name in self._writeback_tiers:

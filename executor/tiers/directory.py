@@ -166,6 +166,66 @@ def split_parts(length: int, params: DiskTierParams) -> list[tuple[int, int]]:
     return [(a, min(a + step, length)) for a in range(0, length, step)] or [(0, 0)]
 
 
+def checksum_range(fd: int, offset: int, length: int) -> int:
+    """CRC32C of ``length`` bytes of ``fd`` from ``offset``, read through one reused
+    chunk buffer (no copy of the block kept); raises _Corrupt if the file ends first."""
+    chunk = memoryview(bytearray(min(_CHUNK_BYTES, max(length, 1))))
+    crc_acc = 0
+    done = 0
+    while done < length:
+        n = os.preadv(fd, [chunk[: min(_CHUNK_BYTES, length - done)]], offset + done)
+        if n == 0:
+            raise _Corrupt("truncated payload")
+        crc_acc = checksum(chunk[:n], crc_acc)
+        done += n
+    return crc_acc
+
+
+def write_all(fd: int, parts: Sequence[Buffer], offset: int | None = None) -> None:
+    """Write every byte of ``parts``: appended (``writev``), or at ``offset``
+    (``pwritev``)."""
+    pending = [memoryview(p).cast("B") for p in parts]
+    while pending:
+        if offset is None:
+            n = os.writev(fd, pending)
+        else:
+            n = os.pwritev(fd, pending, offset)
+            offset += n
+        if n == 0:
+            raise OSError(errno.EIO, "write made no progress")
+        while n and pending:
+            if n >= pending[0].nbytes:
+                n -= pending[0].nbytes
+                pending.pop(0)
+            else:
+                pending[0] = pending[0][n:]
+                n = 0
+
+
+class PartReaders:
+    """The thread pool a disk tier reads one block's parts on, started on first use."""
+
+    def __init__(self, name: str, num_threads: int) -> None:
+        self._name = name
+        self._num_threads = num_threads
+        self._lock = threading.Lock()
+        self._pool: ThreadPoolExecutor | None = None
+
+    def get(self) -> ThreadPoolExecutor:
+        with self._lock:
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(
+                    self._num_threads, thread_name_prefix=f"kvwarm-{self._name}-part"
+                )
+            return self._pool
+
+    def close(self) -> None:
+        with self._lock:
+            pool, self._pool = self._pool, None
+        if pool is not None:
+            pool.shutdown(wait=True)
+
+
 @dataclass(frozen=True)
 class DirectoryTierParams(DiskTierParams):
     sync_method: str = "fsync"
@@ -212,7 +272,7 @@ class DirectoryTier(Tier):
         self._quarantine_dir = self.root / _QUARANTINE
         self._ignored: set[str] = set()
         """Names found bad that could not be moved aside (read-only tier): skipped."""
-        self._parts_pool: ThreadPoolExecutor | None = None
+        self._part_readers = PartReaders(name, params.read_parts)
         self._unlink_pool: ThreadPoolExecutor | None = None
         self._sync_pool: ThreadPoolExecutor | None = None
         self._parts_lock = threading.Lock()
@@ -314,14 +374,6 @@ class DirectoryTier(Tier):
     def _parts(self, length: int) -> list[tuple[int, int]]:
         return split_parts(length, self.params)
 
-    def _pool(self) -> ThreadPoolExecutor:
-        with self._parts_lock:
-            if self._parts_pool is None:
-                self._parts_pool = ThreadPoolExecutor(
-                    self.params.read_parts, thread_name_prefix=f"kvwarm-{self.name}-part"
-                )
-            return self._parts_pool
-
     def _read_file(self, path: str) -> tuple[memoryview, int]:
         """Read and verify one block file; raises _Corrupt with the reason."""
         fd, length, crc = self._open_block(path)
@@ -335,7 +387,10 @@ class DirectoryTier(Tier):
             if len(parts) == 1:
                 crc_acc = self._read_range(fd, view, 0, length)
             else:
-                futures = [self._pool().submit(self._read_range, fd, view, a, b) for a, b in parts]
+                futures = [
+                    self._part_readers.get().submit(self._read_range, fd, view, a, b)
+                    for a, b in parts
+                ]
                 # Wait for every part before fd is closed, even when one fails.
                 wait(futures)
                 crc_acc = 0
@@ -391,7 +446,7 @@ class DirectoryTier(Tier):
             if len(parts) == 1:
                 crc_acc = read_part(0, aligned)
             else:
-                futures = [self._pool().submit(read_part, a, b) for a, b in parts]
+                futures = [self._part_readers.get().submit(read_part, a, b) for a, b in parts]
                 wait(futures)  # every part done before dfd is closed, even when one fails
                 crc_acc = 0
                 for (a, b), future in zip(parts, futures, strict=True):
@@ -408,16 +463,7 @@ class DirectoryTier(Tier):
         fixed chunk buffer is reused). Returns the payload length; raises _Corrupt."""
         fd, length, crc = self._open_block(path)
         try:
-            chunk = memoryview(bytearray(min(_CHUNK_BYTES, max(length, 1))))
-            crc_acc = 0
-            done = 0
-            while done < length:
-                n = os.preadv(fd, [chunk[: min(_CHUNK_BYTES, length - done)]], HEADER_BYTES + done)
-                if n == 0:
-                    raise _Corrupt("truncated payload")
-                crc_acc = checksum(chunk[:n], crc_acc)
-                done += n
-            if crc_acc != crc:
+            if checksum_range(fd, HEADER_BYTES, length) != crc:
                 raise _Corrupt("crc32c mismatch")
             return length
         finally:
@@ -455,7 +501,7 @@ class DirectoryTier(Tier):
         try:
             fd = os.open(tmp, _OPEN_CREATE, 0o644)
             try:
-                self._write_all(fd, [_HEADER.pack(_MAGIC, _VERSION, view.nbytes, crc), view])
+                write_all(fd, [_HEADER.pack(_MAGIC, _VERSION, view.nbytes, crc), view])
                 if sync:
                     self._sync_fd(fd)
             finally:
@@ -572,19 +618,6 @@ class DirectoryTier(Tier):
                 )
             return self._sync_pool
 
-    @staticmethod
-    def _write_all(fd: int, parts: list[bytes | memoryview]) -> None:
-        pending = [memoryview(p) for p in parts]
-        while pending:
-            n = os.writev(fd, pending)
-            while n and pending:
-                if n >= pending[0].nbytes:
-                    n -= pending[0].nbytes
-                    pending.pop(0)
-                else:
-                    pending[0] = pending[0][n:]
-                    n = 0
-
     def _fsync_dir(self) -> None:
         fd = os.open(self.root, os.O_RDONLY | os.O_DIRECTORY)
         try:
@@ -695,9 +728,10 @@ class DirectoryTier(Tier):
         return report
 
     def close(self) -> None:
+        self._part_readers.close()
         with self._parts_lock:
-            pools = [self._parts_pool, self._unlink_pool, self._sync_pool]
-            self._parts_pool = self._unlink_pool = self._sync_pool = None
+            pools = [self._unlink_pool, self._sync_pool]
+            self._unlink_pool = self._sync_pool = None
         for pool in pools:
             if pool is not None:
                 pool.shutdown(wait=True)  # discarded files are unlinked before close returns

@@ -48,7 +48,7 @@ import struct
 import threading
 import time
 from collections.abc import Iterator, Sequence
-from concurrent.futures import ThreadPoolExecutor, wait
+from concurrent.futures import wait
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -67,8 +67,12 @@ from executor.tier import (
 from executor.tiers.directory import (
     _HUGE_PAGE_BYTES,
     DiskTierParams,
+    PartReaders,
+    _Corrupt,
     _payload_buffer,
+    checksum_range,
     split_parts,
+    write_all,
 )
 
 log = logging.getLogger(__name__)
@@ -96,10 +100,6 @@ _GROW_MAX_BYTES = 256 << 20
 large blocks grow it a slot at a time."""
 _SLAB_RE = re.compile(r"slab-([0-9]{4,15})\.dat")
 assert _FIELDS.size + MAX_KEY_CHARS <= _HEADER_CRC_AT
-
-
-class _Corrupt(Exception):
-    pass
 
 
 def slot_bytes_for(size_bytes: int) -> int:
@@ -213,7 +213,7 @@ class SlabTier(Tier):
         (a set: bounded by the slots there are, however long ``sync`` is not called)."""
         self._io_lock = threading.Lock()
         """Serializes slab growth and descriptor opening (not reads or writes)."""
-        self._parts_pool: ThreadPoolExecutor | None = None
+        self._part_readers = PartReaders(name, params.read_parts)
         self._to_free: list[tuple[_Slab, int]] = []
         """Discarded large slots whose headers are zeroed at the next ``sync``, slot
         allocation or ``close`` (``_release_later``)."""
@@ -315,8 +315,8 @@ class SlabTier(Tier):
         seq = self._next_seq()
         try:
             header = _pack_header(key, view.nbytes, crc, seq, _COMMITTED)
-            _write_all(slab.fd, [view], offset + SLOT_HEADER_BYTES)
-            _write_all(slab.fd, [header], offset)
+            write_all(slab.fd, [view], offset + SLOT_HEADER_BYTES)
+            write_all(slab.fd, [header], offset)
             if self.params.verify_writes:
                 try:
                     self._verify_slot(slab, index, key, view.nbytes, crc)
@@ -484,7 +484,7 @@ class SlabTier(Tier):
         parts = split_parts(end, self.params)
         if len(parts) == 1:
             return read_part(0, end)
-        futures = [self._pool().submit(read_part, a, b) for a, b in parts]
+        futures = [self._part_readers.get().submit(read_part, a, b) for a, b in parts]
         wait(futures)  # every part done before the caller reuses anything
         crc = 0
         for (a, b), future in zip(parts, futures, strict=True):
@@ -505,14 +505,6 @@ class SlabTier(Tier):
                         slab.direct_fd = -1
         return None if slab.direct_fd < 0 else slab.direct_fd
 
-    def _pool(self) -> ThreadPoolExecutor:
-        with self._io_lock:
-            if self._parts_pool is None:
-                self._parts_pool = ThreadPoolExecutor(
-                    self.params.read_parts, thread_name_prefix=f"kvwarm-{self.name}-part"
-                )
-            return self._parts_pool
-
     def _verify_slot(self, slab: _Slab, index: int, key: str, length: int, crc: int) -> None:
         """Read a slot back through its CRC32C in fixed chunks (no copy of the block
         kept); raises _Corrupt."""
@@ -521,19 +513,7 @@ class SlabTier(Tier):
         parsed = _unpack_header(header)
         if parsed is None or parsed[0] != key or parsed[1] != length or parsed[2] != crc:
             raise _Corrupt("header does not match what was written")
-        chunk = memoryview(bytearray(min(_CHUNK_BYTES, max(length, 1))))
-        acc, done = 0, 0
-        while done < length:
-            n = os.preadv(
-                slab.fd,
-                [chunk[: min(_CHUNK_BYTES, length - done)]],
-                offset + SLOT_HEADER_BYTES + done,
-            )
-            if n == 0:
-                raise _Corrupt("truncated slot")
-            acc = checksum(chunk[:n], acc)
-            done += n
-        if acc != crc:
+        if checksum_range(slab.fd, offset + SLOT_HEADER_BYTES, length) != crc:
             raise _Corrupt("crc32c mismatch")
 
     # -- discard, quarantine --------------------------------------------------------
@@ -558,7 +538,7 @@ class SlabTier(Tier):
             target = self._quarantine_dir / f"{key}.{time.time_ns()}"
             fd = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
             try:
-                _write_all(fd, [data], 0)
+                write_all(fd, [data], 0)
             finally:
                 os.close(fd)
         self._release(slab, index)
@@ -661,11 +641,9 @@ class SlabTier(Tier):
 
     def close(self) -> None:
         self._free_deferred()
+        self._part_readers.close()
         with self._io_lock:
-            pool, self._parts_pool = self._parts_pool, None
             slabs = list(self._slabs.values())
-        if pool is not None:
-            pool.shutdown(wait=True)
         for slab in slabs:
             for fd in (slab.fd, slab.direct_fd):
                 if fd is not None and fd >= 0:
@@ -677,20 +655,3 @@ class SlabTier(Tier):
 def _slot(staged: StagedWrite) -> _Slot:
     assert isinstance(staged.handle, _Slot), "a StagedWrite of another tier"
     return staged.handle
-
-
-def _write_all(fd: int, parts: list[Buffer], offset: int) -> None:
-    """``pwritev`` until every byte of ``parts`` is at ``offset`` on."""
-    pending = [memoryview(p).cast("B") for p in parts]
-    while pending:
-        n = os.pwritev(fd, pending, offset)
-        if n == 0:
-            raise OSError(errno.EIO, "write made no progress")
-        offset += n
-        while n and pending:
-            if n >= pending[0].nbytes:
-                n -= pending[0].nbytes
-                pending.pop(0)
-            else:
-                pending[0] = pending[0][n:]
-                n = 0
