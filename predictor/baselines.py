@@ -25,6 +25,8 @@ about 50 bytes per tracked block in the arrays plus the hash -> slot dict.
 
 from __future__ import annotations
 
+import itertools
+
 import numpy as np
 from pydantic import Field
 
@@ -111,9 +113,10 @@ class _BlockTable:
 
     def slots(self, block_hashes: np.ndarray) -> np.ndarray:
         """Slot per hash, -1 for blocks never seen."""
-        get = self.slot_of.get
         return np.fromiter(
-            (get(h, -1) for h in block_hashes.tolist()), dtype=np.int64, count=block_hashes.shape[0]
+            map(self.slot_of.get, block_hashes.tolist(), itertools.repeat(-1)),
+            dtype=np.int64,
+            count=block_hashes.shape[0],
         )
 
 

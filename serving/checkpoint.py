@@ -79,19 +79,15 @@ STATE_FIELDS: dict[str, tuple[str, ...]] = {
     # predictor.guard
     "GuardedPolicy": (
         "candidates",
-        "ghosts",
-        "hits",
-        "accesses",
-        "outer_ghosts",
-        "outer_hits",
-        "outer_accesses",
+        "scales",
         "num_sampled_accesses",
         "num_requests",
         "num_switches",
         "chosen",
         "_chosen_since",
     ),
-    "_Ghost": ("slot", "members", "rng"),
+    "_Scale": ("ghosts", "hits", "accesses"),
+    "_Ghost": ("slot", "members", "rng", "pending"),
     # serving
     "ScoringFallback": ("inner", "num_failures"),
     "Placement": ("_tier", "_members", "_pos", "moved_at_ms"),

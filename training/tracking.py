@@ -300,8 +300,13 @@ def resolve_policy_dir(
 
 
 def load_policy_uri(uri: str, *, store_uri: str | None = None, **kwargs: Any) -> Policy:
-    """Load a policy from a directory or an MLflow model URI (``models:/NAME@ALIAS``)."""
-    return load_policy(resolve_policy_dir(uri, store_uri=store_uri), **kwargs)
+    """Load a policy from a directory or an MLflow model URI (``models:/NAME@ALIAS``).
+    A model fetched from MLflow is read into memory from a scratch directory that is
+    removed afterwards (nothing is left behind in the temporary directory)."""
+    if "://" not in uri and not uri.startswith(("models:", "runs:")):
+        return load_policy(Path(uri), **kwargs)
+    with tempfile.TemporaryDirectory(prefix="kvwarm-model-") as scratch:
+        return load_policy(resolve_policy_dir(uri, dst=scratch, store_uri=store_uri), **kwargs)
 
 
 def model_version_for_uri(uri: str, *, store_uri: str | None = None) -> str:

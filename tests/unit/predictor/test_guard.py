@@ -107,6 +107,52 @@ def _warmed(policy, events):
     return policy
 
 
+class _CountingLRU(LRUPolicy):
+    """LRU that counts its score calls and the rows it scored."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls = 0
+        self.rows = 0
+
+    def score(self, block_hashes, now_ms):
+        self.calls += 1
+        self.rows += len(block_hashes)
+        return super().score(block_hashes, now_ms)
+
+
+def test_ghost_evicts_in_batches_around_its_capacity_with_per_request_selectivity():
+    """Single-block requests into a 1,024-block ghost: it stays within capacity +- 16,
+    scores once per ~32 stored blocks, and samples 64 residents per stored request
+    (what one eviction per request would have scored), so it still finds LRU's
+    victims: a block re-read every 500 requests stays resident as LRU would keep it."""
+    from predictor.guard import _Ghost
+
+    ghost = _Ghost(1_024, seed=1)
+    lru = _CountingLRU()
+    keep = 10**9
+    sizes = []
+    keep_hits = 0
+    for i in range(8_000):
+        blocks = [i] if i % 500 else [keep]
+        event = BlocksAccessed(
+            ts_ms=i, request_id=str(i), block_hashes=tuple(blocks), block_size_tokens=16
+        )
+        lru.observe(event)
+        hits = ghost.access(blocks, lru, i, eviction_sample=64)
+        if blocks == [keep]:
+            keep_hits += hits
+        sizes.append(len(ghost.members))
+    assert ghost.slack == 16
+    assert max(sizes) <= 1_024 + 16
+    assert min(sizes[2_000:]) >= 1_024 - 16
+    stored = 8_000 - 15  # the kept block is stored once
+    assert lru.calls <= (stored - 1_024) // 32 + 2
+    # 32 requests' worth of samples per call: most of the ghost, not 64 + 32 residents.
+    assert lru.rows / lru.calls >= 512
+    assert keep_hits == 15  # never evicted, as LRU would keep it
+
+
 def test_guard_memory_is_bounded_and_status_is_reported():
     events = recency_events(2_000)
     guard = GuardedPolicy(
@@ -114,6 +160,7 @@ def test_guard_memory_is_bounded_and_status_is_reported():
         {"lru": LRUPolicy(), "lfu": LFUPolicy()},
     )
     guard.observe_many(events)
+    # Ghosts under 64 blocks evict on every request (no slack).
     assert all(len(g.members) <= 64 for g in guard.ghosts.values())
     assert 0 < guard.rate < 0.001 + 64 / 100_000
     status = guard.online_status()["guard"]
