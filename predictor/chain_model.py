@@ -12,12 +12,19 @@ most likely back as prefetch candidates (``Policy.prefetch_candidates``).
 
 Primitives:
 
-- ``ChainTracker(max_chains)``: ``observe(event)``, ``features(leaves, now_ms)``,
-  ``chain_of(block)``; memory bounded by ``max_chains`` chains (oldest dropped).
+- ``ChainTracker(max_chains)``: ``observe(event)``, ``features(leaves, now_ms)``;
+  memory bounded by ``max_chains`` chains (oldest dropped): the block -> chain map holds
+  only blocks of live chains, and the root counts at most ``2 * max_chains`` roots
+  (see ``ChainTracker``). ``chain_table`` is the live chains as parallel arrays (what
+  ``serving.checkpoint`` captures and restores).
 - ``chain_dataset(events, horizon_ms, snapshot_interval_ms)``: feature rows of live
   chains at snapshot instants with their labels (continued within H), built by the
   same tracker; rows whose horizon runs past the trace are left out.
-- ``ChainPolicy``: ``fit(events)`` then ``observe``/``score``/``prefetch_candidates``.
+- ``ChainPolicy``: ``fit(events)`` then ``observe``/``score``/``prefetch_candidates``;
+  ``save_model(directory)`` / ``load_model(directory, entry)``: the booster as
+  LightGBM text (``chain_model.txt``) plus a manifest entry (params, file), read back
+  through the same checks as the block model (``predictor.model_check``,
+  ``predictor.trees``); any problem raises ``PolicyLoadError`` naming the file.
 """
 
 from __future__ import annotations
@@ -26,13 +33,17 @@ import itertools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import numpy as np
-from pydantic import Field
+from pydantic import Field, ValidationError
 
 from features.events import BlocksAccessed, Event
-from predictor.base import Policy, PolicyParams, as_hash_array
+from predictor.base import Policy, PolicyLoadError, PolicyParams, as_hash_array
+
+CHAIN_MODEL_FILE = "chain_model.txt"
+"""The chain booster in a saved learned-policy directory (LightGBM text model)."""
 
 CHAIN_FEATURES = (
     "turns",
@@ -62,33 +73,51 @@ class _Chain:
 
 @dataclass
 class ChainTracker:
-    """Online chain state; see the module docstring."""
+    """Online chain state; see the module docstring.
+
+    Memory is bounded on an endless stream: at most ``max_chains`` live chains (the
+    oldest dropped), ``anchors`` at most two entries per live chain, ``latest_leaf``
+    only blocks of live chains (a dropped chain's blocks that still point to it are
+    forgotten when it is dropped: their score was 0 already, a dead chain scores
+    nothing) and ``root_requests`` at most ``2 * max_chains`` roots (over that, the roots
+    of live chains are kept with the ``max_chains // 2`` most requested others; the
+    rest start again from 0 if they come back)."""
 
     max_chains: int = 50_000
     chains: dict[int, _Chain] = field(default_factory=dict)
     """Last block of a live chain -> its state (insertion order = creation order)."""
     latest_leaf: dict[int, int] = field(default_factory=dict)
-    """Block -> last block of the latest chain that read it."""
+    """Block of a live chain -> last block of the latest live chain that read it."""
     anchors: dict[int, int] = field(default_factory=dict)
     """Last and second-to-last block of each live chain -> its leaf. The last block of
     a prompt is usually partial, so the next turn re-reads it with more tokens under
     another id; the last full block is what the next turn shares."""
     root_requests: dict[int, int] = field(default_factory=dict)
+    """First block of a request -> requests seen with it (bounded, see above)."""
     finished: list[tuple[int, _Chain]] = field(default_factory=list)
     keep_finished: bool = False
+    index_blocks: bool = True
+    """Keep ``latest_leaf`` (what ``ChainPolicy.score`` reads). Off where only chains
+    matter (training rows, a learned policy's prefetch candidates): observe then
+    touches no per-block map at all."""
+
+    @property
+    def max_roots(self) -> int:
+        return 2 * self.max_chains
 
     def observe(self, event: Event) -> None:
         if not isinstance(event, BlocksAccessed) or not event.block_hashes:
             return
         blocks = event.block_hashes
         ts = event.ts_ms
-        anchor = next((b for b in reversed(blocks) if b in self.anchors), None)
-        parent_leaf = self.anchors[anchor] if anchor is not None else None
+        chains = self.chains
+        anchors = self.anchors
+        anchor = next((b for b in reversed(blocks) if b in anchors), None)
+        parent_leaf = anchors[anchor] if anchor is not None else None
+        parent = None
         if parent_leaf is not None:
             parent = self._drop(parent_leaf)
             parent.continued_at_ms = ts
-            if self.keep_finished:
-                self.finished.append((parent_leaf, parent))
             think = float(ts - parent.last_ts_ms)
             chain = _Chain(
                 blocks,
@@ -102,20 +131,42 @@ class ChainTracker:
         else:
             chain = _Chain(blocks, ts, ts)
         leaf = blocks[-1]
-        if leaf in self.chains:
-            old = self._drop(leaf)
-            if self.keep_finished:
-                self.finished.append((leaf, old))
-        self.chains[leaf] = chain
+        replaced = self._drop(leaf) if leaf in chains else None
+        chains[leaf] = chain
         for anchor_block in blocks[-2:]:
-            self.anchors[anchor_block] = leaf
-        for block in blocks:
-            self.latest_leaf[block] = leaf
+            anchors[anchor_block] = leaf
+        index = self.index_blocks
+        if index:
+            latest = self.latest_leaf
+            for block in blocks:
+                latest[block] = leaf
         root = blocks[0]
-        self.root_requests[root] = self.root_requests.get(root, 0) + 1
-        while len(self.chains) > self.max_chains:
-            oldest = next(iter(self.chains))
+        roots = self.root_requests
+        count = roots.get(root)
+        if count is None:
+            roots[root] = 1
+            if len(roots) > self.max_roots:
+                self._prune_roots()
+        else:
+            roots[root] = count + 1
+        # Forget the dropped chains' blocks that still point to them (after the new
+        # chain wrote its own, so a continued chain's shared prefix is skipped).
+        if parent is not None:
+            assert parent_leaf is not None
+            if index:
+                self._forget(parent_leaf, parent, leaf, blocks)
+            if self.keep_finished:
+                self.finished.append((parent_leaf, parent))
+        if replaced is not None:
+            if index:
+                self._forget(leaf, replaced, leaf, blocks)
+            if self.keep_finished:
+                self.finished.append((leaf, replaced))
+        while len(chains) > self.max_chains:
+            oldest = next(iter(chains))
             dropped = self._drop(oldest)
+            if index:
+                self._forget(oldest, dropped, leaf, blocks)
             if self.keep_finished:
                 self.finished.append((oldest, dropped))
 
@@ -125,6 +176,114 @@ class ChainTracker:
             if self.anchors.get(block) == leaf:
                 del self.anchors[block]
         return chain
+
+    def _forget(self, leaf: int, chain: _Chain, new_leaf: int, new_blocks: tuple[int, ...]) -> None:
+        """Drop the ``latest_leaf`` entries of the dropped ``chain`` (at ``leaf``) that
+        still point to it. Called after the new request (``new_blocks``, at
+        ``new_leaf``) wrote its entries: the blocks it shares with ``chain`` point to it
+        already, and a shared prefix (a continued turn) is skipped by one comparison.
+        The scan runs in C (map/compress): the eviction of the oldest chain, once per
+        new chain at ``max_chains``, scans every block of it."""
+        latest = self.latest_leaf
+        old = chain.blocks
+        if leaf == new_leaf:  # the new chain took the same leaf (a repeated prompt)
+            keep = set(new_blocks)
+            stale = [b for b in old if b not in keep and latest.get(b) == leaf]
+        else:
+            n = len(old) - 1
+            if n > 0 and new_blocks[:n] == old[:n]:
+                old = old[n:]  # all but the last block were rewritten by new_blocks
+            # Block hashes are >= 0, so the default -1 never equals a leaf.
+            points_here = map(leaf.__eq__, map(latest.get, old, itertools.repeat(-1)))
+            stale = list(itertools.compress(old, points_here))
+        for block in stale:
+            del latest[block]
+
+    def _prune_roots(self) -> None:
+        """Keep the roots of live chains and the ``max_chains // 2`` most requested
+        others (the later seen first among equals); insertion order is kept."""
+        live = {c.blocks[0] for c in self.chains.values()}
+        roots = self.root_requests
+        others = [(n, i, r) for i, (r, n) in enumerate(roots.items()) if r not in live]
+        others.sort(reverse=True)
+        kept = {r for _, _, r in others[: self.max_chains // 2]}
+        self.root_requests = {r: n for r, n in roots.items() if r in live or r in kept}
+
+    # -- checkpoint form ----------------------------------------------------------------
+
+    @property
+    def chain_table(self) -> dict[str, np.ndarray]:
+        """The live chains as parallel arrays, oldest first (``serving.checkpoint``
+        captures this; assigning it back rebuilds ``chains``). Blocks are concatenated
+        in ``blocks``, ``length`` blocks per chain."""
+        chains = list(self.chains.items())
+        n = len(chains)
+        c = [ch for _, ch in chains]
+
+        def column(values: Any, dtype: Any = np.int64) -> np.ndarray:
+            return np.fromiter(values, dtype=dtype, count=n)
+
+        return {
+            "leaf": column((leaf for leaf, _ in chains), np.uint64),
+            "length": column(len(ch.blocks) for ch in c),
+            "blocks": np.fromiter(
+                itertools.chain.from_iterable(ch.blocks for ch in c),
+                dtype=np.uint64,
+                count=sum(len(ch.blocks) for ch in c),
+            ),
+            "first_ts_ms": column(ch.first_ts_ms for ch in c),
+            "last_ts_ms": column(ch.last_ts_ms for ch in c),
+            "turns": column(ch.turns for ch in c),
+            "think_sum_ms": column((ch.think_sum_ms for ch in c), np.float64),
+            "last_think_ms": column((ch.last_think_ms for ch in c), np.float64),
+            "prev_length": column(ch.prev_length for ch in c),
+            "continued_at_ms": column(ch.continued_at_ms for ch in c),
+        }
+
+    @chain_table.setter
+    def chain_table(self, table: Any) -> None:
+        names = (
+            "leaf", "length", "blocks", "first_ts_ms", "last_ts_ms", "turns",
+            "think_sum_ms", "last_think_ms", "prev_length", "continued_at_ms",
+        )  # fmt: skip
+        if not isinstance(table, dict) or any(k not in table for k in names):
+            raise ValueError(f"a chain table needs the arrays {', '.join(names)}")
+        cols = {k: np.asarray(table[k]) for k in names}
+        n = cols["leaf"].shape[0]
+        if any(cols[k].shape != (n,) for k in names if k != "blocks"):
+            raise ValueError("chain table columns differ in length")
+        lengths = cols["length"].astype(np.int64)
+        if (lengths < 1).any() or int(lengths.sum()) != cols["blocks"].shape[0]:
+            raise ValueError("chain table block lengths do not add up to its blocks")
+        if n > self.max_chains:
+            raise ValueError(f"{n} chains in the table, this tracker keeps {self.max_chains}")
+        blocks = cols["blocks"].tolist()
+        ends = np.cumsum(lengths).tolist()
+        rows = zip(
+            cols["leaf"].tolist(),
+            ends,
+            lengths.tolist(),
+            cols["first_ts_ms"].tolist(),
+            cols["last_ts_ms"].tolist(),
+            cols["turns"].tolist(),
+            cols["think_sum_ms"].tolist(),
+            cols["last_think_ms"].tolist(),
+            cols["prev_length"].tolist(),
+            cols["continued_at_ms"].tolist(),
+            strict=True,
+        )
+        chains: dict[int, _Chain] = {}
+        for leaf, end, length, first, last, turns, think, last_think, prev, cont in rows:
+            chain_blocks = tuple(blocks[end - length : end])
+            if chain_blocks[-1] != leaf:
+                raise ValueError(f"chain table: chain at {leaf} does not end with it")
+            chains[leaf] = _Chain(
+                chain_blocks, int(first), int(last), int(turns), float(think),
+                float(last_think), int(prev), int(cont),
+            )  # fmt: skip
+        if len(chains) != n:
+            raise ValueError("chain table: a leaf appears twice")
+        self.chains = chains
 
     def features(self, leaves: Sequence[int], now_ms: int) -> np.ndarray:
         """One row of ``CHAIN_FEATURES`` per live chain leaf (float32)."""
@@ -155,7 +314,7 @@ def chain_dataset(
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(features, continued within H, time since last turn in ms) of every chain idle
     for at most ``max_chain_age_ms`` at each snapshot instant."""
-    tracker = ChainTracker(keep_finished=True)
+    tracker = ChainTracker(keep_finished=True, index_blocks=False)
     rows: list[np.ndarray] = []
     keys: list[tuple[int, int, int]] = []  # (chain id, snapshot ts, since)
     ids: dict[int, _Chain] = {}
@@ -263,15 +422,85 @@ class ChainPolicy(Policy):
         )
         best = booster.best_iteration or booster.current_iteration()
         self.booster = lgb.Booster(model_str=booster.model_to_string(num_iteration=best))
-        self.training_info = {"best_iteration": int(best), "rows": int(x.shape[0])}
+        self.training_info = {
+            "best_iteration": int(best),
+            "rows": int(x.shape[0]),
+            "returns": int(y.sum()),
+        }
         return self
 
     def fresh_copy(self) -> ChainPolicy:
         """Same params and model, empty tracker."""
         clone = ChainPolicy(self.params)
+        clone.tracker.index_blocks = self.tracker.index_blocks
         clone.booster = self.booster
         clone.training_info = dict(self.training_info)
         return clone
+
+    # -- persistence (inside a learned policy's directory) -------------------------------
+
+    def save_model(self, directory: Path) -> dict[str, Any]:
+        """Write the booster to ``directory / CHAIN_MODEL_FILE``; return the manifest
+        entry that ``load_model`` reads back (params, file, what training learned)."""
+        if self.booster is None:
+            raise ValueError("the chain model is not fitted: nothing to save")
+        (directory / CHAIN_MODEL_FILE).write_text(self.booster.model_to_string(), encoding="utf-8")
+        info = {k: v for k, v in self.training_info.items() if isinstance(v, (int, float, str))}
+        return {
+            "params": self.params.model_dump(mode="json"),
+            "file": CHAIN_MODEL_FILE,
+            "training_info": info,
+        }
+
+    @classmethod
+    def load_model(cls, directory: Path, entry: Any, where: Path) -> ChainPolicy:
+        """The chain model described by a manifest ``entry`` (``where`` names the
+        manifest); its file is size-checked, parsed and validated structurally before
+        LightGBM reads it, and probed: ``PolicyLoadError`` naming the file otherwise."""
+        from predictor.model_check import (
+            ModelCheckError,
+            check_scores,
+            probe_rows,
+            read_model_text,
+            without_tree_sizes,
+        )
+        from predictor.trees import parse_lightgbm_model
+
+        if not isinstance(entry, dict) or entry.get("file") != CHAIN_MODEL_FILE:
+            raise PolicyLoadError(
+                where, f"'chain' must be a table naming the file {CHAIN_MODEL_FILE!r}"
+            )
+        try:
+            params = ChainParams.model_validate(entry.get("params", {}))
+        except ValidationError as exc:
+            raise PolicyLoadError(where, f"invalid chain model parameters: {exc}") from exc
+        path = directory / CHAIN_MODEL_FILE
+        text = read_model_text(path)  # size-bounded, UTF-8
+        trees = parse_lightgbm_model(text, path)  # structural validation first
+        if trees.num_features != len(CHAIN_FEATURES):
+            raise ModelCheckError(
+                path, f"model has {trees.num_features} features, expected {len(CHAIN_FEATURES)}"
+            )
+        import lightgbm as lgb
+
+        try:
+            booster = lgb.Booster(model_str=without_tree_sizes(text))
+        except lgb.basic.LightGBMError as exc:
+            raise PolicyLoadError(path, f"not a readable LightGBM text model ({exc})") from exc
+        if booster.num_feature() != len(CHAIN_FEATURES):
+            raise ModelCheckError(
+                path, f"model has {booster.num_feature()} features, expected {len(CHAIN_FEATURES)}"
+            )
+        policy = cls(params)
+        policy.booster = booster
+        check_scores(
+            np.asarray(booster.predict(probe_rows(len(CHAIN_FEATURES)), num_threads=1)),
+            policy,
+            path,
+        )
+        info = entry.get("training_info", {})
+        policy.training_info = dict(info) if isinstance(info, dict) else {}
+        return policy
 
     def predict_chains(self, leaves: Sequence[int], now_ms: int) -> np.ndarray:
         """P(continues within H) per live chain leaf."""
@@ -286,6 +515,11 @@ class ChainPolicy(Policy):
         self.tracker.observe(event)
 
     def score(self, block_hashes: np.ndarray, now_ms: int) -> np.ndarray:
+        if not self.tracker.index_blocks:
+            raise ValueError(
+                "this chain model keeps no block -> chain map (a learned policy's chain "
+                "model names prefetch candidates only)"
+            )
         hashes = as_hash_array(block_hashes).tolist()
         latest = self.tracker.latest_leaf
         chains = self.tracker.chains

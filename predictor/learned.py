@@ -6,9 +6,11 @@ rows of the requested blocks and runs the model on them. Training happens offlin
 (``training.train``) through ``fit`` on feature matrices built by the same state.
 
 Saved layout: ``policy.json`` (name, params, feature version, feature names and
-feature params) plus the model's own files. Loading refuses a model whose feature
-version or feature names differ from this kvwarm's: its columns would mean other
-things.
+feature params) plus the model's own files, and, when a chain return model was fitted
+beside the block model, ``chain_model.txt`` with its entry ``chain`` (params, file) in
+the manifest. A directory without that entry loads with no chain model (models saved
+before it existed keep working). Loading refuses a model whose feature version or
+feature names differ from this kvwarm's: its columns would mean other things.
 
 This module imports neither LightGBM nor torch; subclasses do, lazily by registry.
 """
@@ -34,7 +36,7 @@ from predictor.base import (
     PolicyParams,
     as_hash_array,
 )
-from predictor.chain_model import ChainPolicy
+from predictor.chain_model import CHAIN_MODEL_FILE, ChainPolicy, ChainTracker
 
 
 class NotFittedError(PolicyError):
@@ -77,6 +79,14 @@ DEFAULT_TIME_BASE: dict[str, Any] = {"unit": "ms", "clock": "event", "time_scale
 """What a model trained by ``kvwarm train`` saw: event-time milliseconds, unscaled."""
 
 
+@dataclasses.dataclass(frozen=True)
+class LearnedHandover:
+    """What a learned policy hands its successor at a hot swap (``adopt_state``)."""
+
+    state: FeatureState
+    chain_tracker: ChainTracker | None
+
+
 class LearnedPolicy(Policy):
     """Base of policies that score ``model(features_for(blocks, now_ms))``."""
 
@@ -94,10 +104,22 @@ class LearnedPolicy(Policy):
         self.fitted = False
         self.training_info: dict[str, Any] = {}
         """What ``fit`` learned besides the model: best iteration, importances ..."""
-        self.chain: ChainPolicy | None = None
+        self._chain: ChainPolicy | None = None
+
+    @property
+    def chain(self) -> ChainPolicy | None:
         """The per-chain return model (``predictor.chain_model``), when one was fitted
         beside the block model: it follows conversations online and names the blocks of
-        the chains most likely back soon as prefetch candidates."""
+        the chains most likely back soon as prefetch candidates. It keeps no block ->
+        chain map (set here: nothing reads it, and it is most of the tracker's cost)."""
+        return self._chain
+
+    @chain.setter
+    def chain(self, chain: ChainPolicy | None) -> None:
+        if chain is not None:
+            chain.tracker.index_blocks = False
+            chain.tracker.latest_leaf.clear()
+        self._chain = chain
 
     # --- online ---------------------------------------------------------------------
 
@@ -154,6 +176,24 @@ class LearnedPolicy(Policy):
             )
         return np.asarray(self._predict(features), dtype=np.float32)
 
+    @property
+    def chain_tracker(self) -> ChainTracker | None:
+        """The chain model's online state (None without a chain model): what
+        ``serving.checkpoint`` captures beside ``state``. Assigning None to a policy that
+        has a chain model (a snapshot taken without one) empties its tracker and keeps
+        the model; a tracker is restored in place by the checkpoint module."""
+        return self.chain.tracker if self.chain is not None else None
+
+    @chain_tracker.setter
+    def chain_tracker(self, tracker: ChainTracker | None) -> None:
+        if self.chain is None:
+            if tracker is not None:
+                raise ValueError("a chain tracker given to a policy without a chain model")
+            return
+        if tracker is None:
+            tracker = ChainTracker(max_chains=self.chain.params.max_chains, index_blocks=False)
+        self.chain.tracker = tracker
+
     # --- model ----------------------------------------------------------------------
 
     @abc.abstractmethod
@@ -175,16 +215,29 @@ class LearnedPolicy(Policy):
         drive early stopping. Returns ``self``."""
 
     def handover_state(self) -> object | None:
-        return self.state
+        return LearnedHandover(self.state, self.chain_tracker)
 
     def adopt_state(self, state: object | None) -> bool:
         """Share the outgoing policy's ``FeatureState`` when it computes the same
-        features (same ``FeatureParams``): no gap in history at all."""
+        features (same ``FeatureParams``): no gap in history at all. Its chain tracker
+        too, when both have a chain model keeping as many chains (the tracker is
+        stream state only; the chain model reads it the same way)."""
+        chain_tracker = None
+        if isinstance(state, LearnedHandover):
+            chain_tracker = state.chain_tracker
+            state = state.state
         if not isinstance(state, FeatureState) or type(state) is not type(self.state):
             return False
         if state.params != self.feature_params:
             return False
         self.state = state
+        chain = self.chain
+        if (
+            chain is not None
+            and chain_tracker is not None
+            and chain_tracker.max_chains == chain.params.max_chains
+        ):
+            chain.tracker = chain_tracker
         return True
 
     def fresh_copy(self) -> LearnedPolicy:
@@ -209,6 +262,12 @@ class LearnedPolicy(Policy):
         if not self.fitted:
             raise NotFittedError(f"cannot save an unfitted {self.name} policy")
         files = self._write_model_files(directory)
+        extra: dict[str, Any] = {}
+        if self.chain is not None:
+            extra["chain"] = self.chain.save_model(directory)
+            files = [*files, extra["chain"]["file"]]
+        else:
+            (directory / CHAIN_MODEL_FILE).unlink(missing_ok=True)  # a stale one
         self.training_info["model_size_bytes"] = sum((directory / f).stat().st_size for f in files)
         return {
             "feature_version": FEATURE_VERSION,
@@ -216,6 +275,7 @@ class LearnedPolicy(Policy):
             "feature_params": feature_params_to_dict(self.feature_params),
             "time_base": self.time_base,
             "files": files,
+            **extra,
         }
 
     @property
@@ -256,6 +316,8 @@ class LearnedPolicy(Policy):
             if not (directory / name).is_file():
                 raise PolicyLoadError(directory / name, "model file is missing")
         policy._read_model_files(directory, manifest)
+        if manifest.get("chain") is not None:
+            policy.chain = ChainPolicy.load_model(directory, manifest["chain"], where)
         policy.fitted = True
         if "time_base" in manifest:
             if not isinstance(manifest["time_base"], dict):

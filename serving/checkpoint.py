@@ -4,7 +4,8 @@ freshly built sidecar of the same configuration.
 What is state (everything a decision depends on besides the events and the model):
 
 - the policy's online state: a baseline's block table; a learned policy's
-  ``FeatureState`` (rows, index, stored scores, decay epoch, session table); the online
+  ``FeatureState`` (rows, index, stored scores, decay epoch, session table) and its
+  chain model's tracker (live chains, block -> chain maps, root counts); the online
   guard's candidates, ghost caches (with their RNGs) and hit counters; the scoring
   fallback's inner policy;
 - the planner's eviction-sampling RNG and the placement mirror (tier of every block,
@@ -52,7 +53,7 @@ STATE_FIELDS: dict[str, tuple[str, ...]] = {
     ),
     "_TablePolicy": ("_table",),
     # predictor.learned + features.state
-    "LearnedPolicy": ("state",),
+    "LearnedPolicy": ("state", "chain_tracker"),
     "FeatureState": (
         "_hash",
         "_i64",
@@ -76,6 +77,10 @@ STATE_FIELDS: dict[str, tuple[str, ...]] = {
         "_block_count",
         "last_request_slots",
     ),
+    # predictor.chain_model (a learned policy's chain tracker: live chains as parallel
+    # arrays, the block -> chain maps as int -> int dicts)
+    "ChainPolicy": ("tracker",),
+    "ChainTracker": ("chain_table", "anchors", "latest_leaf", "root_requests"),
     # predictor.guard
     "GuardedPolicy": (
         "candidates",

@@ -9,7 +9,10 @@
    calibrating the baselines), test = the rest; each part's labels are censored at
    its own end, so nothing of a later part leaks into an earlier one;
 3. fit the model (``LightGBMPolicy.fit`` / ``LSTMPolicy.fit``) on the training rows
-   whose horizon is complete;
+   whose horizon is complete, and the per-chain return model
+   (``predictor.chain_model``, same horizon) on the same span's requests (train +
+   validation, nothing of the test part; its own last rows stop it early): saved with
+   the policy, it names the prefetch candidates;
 4. replay the whole trace through the model and every baseline
    (``training.evaluate``) and measure the test part.
 
@@ -116,6 +119,8 @@ class TrainResult:
     """Degenerate training (too few trees, constant scores), said in words."""
     promoted: bool | None = None
     """Whether the alias was moved to this version (None: no alias asked for)."""
+    chain_note: str = ""
+    """Whether a chain return model was fitted beside the block model, and why not."""
 
     def table(self) -> str:
         """The side-by-side metrics, one row per policy."""
@@ -384,10 +389,19 @@ def train_and_evaluate(
     warnings = degeneracy_warnings(policy, _labelled(parts["valid"], config.horizon_ms)[0])
     for warning in warnings:
         say(f"WARNING: {warning}")
+    split = next((i for i, e in enumerate(events) if e.ts_ms > test_cut), len(events))
+    t = time.perf_counter()
+    policy.chain, chain_note = fit_chain_model_noted(
+        events[:split],
+        config.horizon_ms,
+        seed=config.seed,
+        valid_fraction=config.valid_fraction,
+    )
+    timings["chain_s"] = time.perf_counter() - t
+    say(f"{chain_note} ({timings['chain_s']:.1f} s)")
     validation = None
     if config.gate:
         t = time.perf_counter()
-        split = next((i for i, e in enumerate(events) if e.ts_ms > test_cut), len(events))
         validation = validate_on_holdout(
             policy,
             events[:split],
@@ -433,6 +447,7 @@ def train_and_evaluate(
         trace_sha256=sha,
         validation=validation,
         warnings=warnings,
+        chain_note=chain_note,
     )
 
 
@@ -497,6 +512,7 @@ def log_training_run(
         **{f"features.{k}": v for k, v in asdict(policy.feature_params).items()},
         **{f"rows.{k}": v.num_rows for k, v in result.parts.items()},
         "training_warnings": " | ".join(result.warnings) or "none",
+        "chain_model": result.chain_note or "none",
     }
     metrics: dict[str, float] = {}
     validation = result.validation
@@ -517,6 +533,10 @@ def log_training_run(
     for key in ("best_iteration", "best_epoch"):
         if key in policy.training_info:
             metrics[key] = float(policy.training_info[key])
+    if policy.chain is not None:
+        for key, value in policy.chain.training_info.items():
+            if isinstance(value, (int, float)):
+                metrics[f"chain.{key}"] = float(value)
     curve = policy.training_info.get("valid_curve") or []
     for step, value in enumerate(curve):
         run.log_metrics({"valid_loss_curve": float(value)}, step=step)
@@ -643,6 +663,19 @@ def fit_chain_model(
     """The per-chain return model for the same horizon (``predictor.chain_model``):
     live chains sampled six times per horizon, idle for at most 60 horizons (1 h at the
     default 60 s). None, with a warning, where the trace has too few chain returns."""
+    return fit_chain_model_noted(events, horizon_ms, seed=seed)[0]
+
+
+def fit_chain_model_noted(
+    events: Sequence[BlocksAccessed],
+    horizon_ms: int,
+    *,
+    seed: int = 0,
+    valid_fraction: float = 0.25,
+) -> tuple[ChainPolicy | None, str]:
+    """``fit_chain_model`` plus one line saying what happened: fitted on how many chain
+    rows (returns, trees kept), or why not (too few chain returns: logged as a
+    warning). ``valid_fraction``: the last rows that stop the boosting early."""
     params = ChainPolicy.Params(
         horizon_ms=horizon_ms,
         snapshot_interval_ms=max(1, horizon_ms // 6),
@@ -650,7 +683,13 @@ def fit_chain_model(
         seed=seed,
     )
     try:
-        return ChainPolicy(params).fit(events)
+        chain = ChainPolicy(params).fit(events, valid_fraction=valid_fraction)
     except ValueError as exc:
         log.warning("no chain return model: %s", exc)
-        return None
+        return None, f"chain model: not fitted ({exc}); prefetch falls back to recent requests"
+    info = chain.training_info
+    note = (
+        f"chain model: fitted on {info['rows']:,} chain rows ({info['returns']:,} returns) "
+        f"of {len(events):,} requests, {info['best_iteration']} trees"
+    )
+    return chain, note

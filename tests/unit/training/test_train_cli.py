@@ -24,6 +24,8 @@ def test_train_command_trains_logs_registers_and_saves(tmp_path, monkeypatch):
         assert f"\n{name} " in result.output
     assert "models:/kv-cli@champion" in result.output
     assert (tmp_path / "saved" / "model.txt").is_file()
+    assert "chain model: fitted" in result.output
+    assert (tmp_path / "saved" / "chain_model.txt").is_file()
 
 
 def test_bad_arguments_fail_with_a_message(tmp_path):
