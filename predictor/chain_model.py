@@ -33,6 +33,7 @@ import itertools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from operator import attrgetter
 from pathlib import Path
 from typing import Any
 
@@ -286,24 +287,55 @@ class ChainTracker:
         self.chains = chains
 
     def features(self, leaves: Sequence[int], now_ms: int) -> np.ndarray:
-        """One row of ``CHAIN_FEATURES`` per live chain leaf (float32)."""
-        out = np.zeros((len(leaves), len(CHAIN_FEATURES)), dtype=np.float32)
-        for i, leaf in enumerate(leaves):
-            c = self.chains[leaf]
-            since = max(0, now_ms - c.last_ts_ms)
-            mean_think = c.think_sum_ms / (c.turns - 1) if c.turns > 1 else -1.0
-            out[i] = (
-                c.turns,
-                math.log1p(since),
-                math.log1p(mean_think) if mean_think >= 0 else -1.0,
-                math.log1p(c.last_think_ms) if c.last_think_ms >= 0 else -1.0,
-                since / (mean_think + 1.0) if mean_think >= 0 else -1.0,
-                len(c.blocks),
-                len(c.blocks) - c.prev_length,
-                math.log1p(self.root_requests.get(c.blocks[0], 0)),
-                (now_ms / 3_600_000.0) % 24.0,
-            )
+        """One row of ``CHAIN_FEATURES`` per live chain leaf (float32), computed column
+        by column (a prefetch round asks for ~2,000 chains; ``features_row`` is the same
+        row for one chain, computed as Python scalars)."""
+        n = len(leaves)
+        out = np.empty((n, len(CHAIN_FEATURES)), dtype=np.float32)
+        if n == 0:
+            return out
+        chains = list(map(self.chains.__getitem__, leaves))
+
+        def column(name: str) -> np.ndarray:
+            return np.fromiter(map(attrgetter(name), chains), dtype=np.float64, count=n)
+
+        turns = column("turns")
+        since = np.maximum(0.0, now_ms - column("last_ts_ms"))
+        last_think = column("last_think_ms")
+        length = np.fromiter(map(len, map(attrgetter("blocks"), chains)), np.float64, count=n)
+        roots = map(self.root_requests.get, (c.blocks[0] for c in chains), itertools.repeat(0))
+        root_requests = np.fromiter(roots, dtype=np.float64, count=n)
+        mean_think = np.divide(
+            column("think_sum_ms"), turns - 1, out=np.full(n, -1.0), where=turns > 1
+        )
+        has_mean = mean_think >= 0
+        out[:, 0] = turns
+        out[:, 1] = np.log1p(since)
+        out[:, 2] = np.where(has_mean, np.log1p(np.maximum(mean_think, 0.0)), -1.0)
+        out[:, 3] = np.where(last_think >= 0, np.log1p(np.maximum(last_think, 0.0)), -1.0)
+        out[:, 4] = np.divide(since, mean_think + 1.0, out=np.full(n, -1.0), where=has_mean)
+        out[:, 5] = length
+        out[:, 6] = length - column("prev_length")
+        out[:, 7] = np.log1p(root_requests)
+        out[:, 8] = (now_ms / 3_600_000.0) % 24.0
         return out
+
+    def features_row(self, leaf: int, now_ms: int) -> tuple[float, ...]:
+        """``features`` of one chain, as Python floats (the reference definition)."""
+        c = self.chains[leaf]
+        since = max(0, now_ms - c.last_ts_ms)
+        mean_think = c.think_sum_ms / (c.turns - 1) if c.turns > 1 else -1.0
+        return (
+            c.turns,
+            math.log1p(since),
+            math.log1p(mean_think) if mean_think >= 0 else -1.0,
+            math.log1p(c.last_think_ms) if c.last_think_ms >= 0 else -1.0,
+            since / (mean_think + 1.0) if mean_think >= 0 else -1.0,
+            len(c.blocks),
+            len(c.blocks) - c.prev_length,
+            math.log1p(self.root_requests.get(c.blocks[0], 0)),
+            (now_ms / 3_600_000.0) % 24.0,
+        )
 
 
 def chain_dataset(
@@ -388,6 +420,28 @@ class ChainPolicy(Policy):
         self.tracker = ChainTracker(max_chains=self.params.max_chains)
         self.booster: Any = None
         self.training_info: dict[str, Any] = {}
+        self._scorer: tuple[Any, Any] | None = None
+        self._scorer_for: Any = None
+
+    def _compiled(self) -> tuple[Any, Any] | None:
+        """(trees, native code) of ``booster``, built once per booster: chains score
+        through ``predictor.compiled_trees`` as the block model does (~8x faster than
+        ``Booster.predict`` at 1,000 rows, raw scores bit-identical). None where the
+        model cannot be compiled here: ``Booster.predict`` scores then."""
+        if self._scorer_for is not self.booster:
+            from predictor.compiled_trees import compile_ensemble
+            from predictor.trees import parse_lightgbm_model
+
+            self._scorer_for = self.booster
+            self._scorer = None
+            try:
+                trees = parse_lightgbm_model(self.booster.model_to_string(), CHAIN_MODEL_FILE)
+            except PolicyLoadError:
+                return None
+            compiled = compile_ensemble(trees)
+            if compiled is not None:
+                self._scorer = (trees, compiled)
+        return self._scorer
 
     def fit(self, events: Sequence[BlocksAccessed], valid_fraction: float = 0.25) -> ChainPolicy:
         """Train on ``events`` (the last ``valid_fraction`` of rows drive early stopping)."""
@@ -509,6 +563,10 @@ class ChainPolicy(Policy):
         if not leaves:
             return np.zeros(0, dtype=np.float32)
         x = self.tracker.features(leaves, now_ms)
+        scorer = self._compiled()
+        if scorer is not None:
+            trees, compiled = scorer
+            return np.asarray(trees.transform(compiled.predict_raw(x)), dtype=np.float32)
         return np.asarray(self.booster.predict(x, num_threads=1), dtype=np.float32)
 
     def observe(self, event: Event) -> None:

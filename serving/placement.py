@@ -10,6 +10,8 @@ Invariant: a block is in at most one tier; ``count(t) == len(members of t)``.
 
 from __future__ import annotations
 
+import itertools
+
 import numpy as np
 
 NOWHERE = -1
@@ -34,8 +36,7 @@ class Placement:
         return self._tier.get(block, NOWHERE)
 
     def tiers_of(self, blocks: list[int]) -> list[int]:
-        get = self._tier.get
-        return [get(b, NOWHERE) for b in blocks]
+        return list(map(self._tier.get, blocks, itertools.repeat(NOWHERE)))
 
     def count(self, tier: int) -> int:
         return len(self._members[tier])

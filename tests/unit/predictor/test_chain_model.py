@@ -6,6 +6,8 @@ to return (idle ~35-45 s) below every chain used since."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 from sklearn.metrics import roc_auc_score
@@ -89,3 +91,26 @@ def test_learned_policies_carry_the_chain_model_and_offer_its_candidates():
     expected = copy.chain.prefetch_candidates(now_ms, 64)
     assert expected.shape[0] > 0
     assert np.array_equal(copy.prefetch_candidates(now_ms, 64), expected)
+
+
+def test_chain_features_by_column_equal_the_row_definition_and_scores_are_lightgbms(fitted):
+    """``features`` (numpy, column by column) is bit-identical to ``features_row`` (Python
+    scalars), out-of-order turns (negative think times) included; ``predict_chains``
+    (compiled trees) equals ``Booster.predict`` within 1e-6."""
+    policy, _, test = fitted
+    chain = policy.fresh_copy()
+    events = list(test)
+    # A turn that arrives before its parent's last one: a negative think time.
+    late = events[-1]
+    events.append(dataclasses.replace(late, ts_ms=late.ts_ms - 5_000, request_id="x"))
+    for event in events:
+        chain.observe(event)
+    leaves = list(chain.tracker.chains)
+    now = events[-1].ts_ms + 2_500
+    rows = np.array([chain.tracker.features_row(leaf, now) for leaf in leaves], np.float32)
+    np.testing.assert_array_equal(chain.tracker.features(leaves, now), rows)
+    assert chain.tracker.features([], now).shape == (0, rows.shape[1])
+    expected = chain.booster.predict(rows, num_threads=1)
+    got = chain.predict_chains(leaves, now)
+    assert chain._compiled() is not None  # the compiled path is what scored
+    np.testing.assert_allclose(got, expected, atol=1e-6, rtol=0)
