@@ -21,6 +21,7 @@ polled so far have been handed to the hooks.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import threading
 import time
@@ -155,7 +156,9 @@ class Sidecar:
             return []
         # Blocks of recent requests, then what the policy expects back soon beyond them.
         predicted = self.policy.prefetch_candidates(now_ms, PREDICTED_CANDIDATES).tolist()
-        recent = list(dict.fromkeys([*(b for chain in self.recent for b in chain), *predicted]))
+        recent = list(
+            dict.fromkeys(itertools.chain(itertools.chain.from_iterable(self.recent), predicted))
+        )
         candidates = [
             b for b, t in zip(recent, self.placement.tiers_of(recent), strict=True) if t > 0
         ]
