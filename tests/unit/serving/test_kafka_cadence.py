@@ -1,0 +1,181 @@
+"""Flush/commit cadence of the sidecar and the Kafka clients' latency settings, without
+a broker: batch sizing in ``MeteredSource`` (flush not charged per event, catch-up
+batches behind a backlog), the consumer's idle backoff, producers' metadata warm-up."""
+
+from __future__ import annotations
+
+import time
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+from kafka.errors import KafkaTimeoutError
+
+import serving.kafka_io as kafka_io
+import serving.serve_cli as serve_cli
+from features.events import BlocksAccessed
+from serving.http import SidecarMetrics
+from serving.kafka_io import ConnectOptions, KafkaDecisionSink, KafkaEventSource
+from serving.serve_cli import MeteredSource
+
+
+def _event(i: int) -> BlocksAccessed:
+    return BlocksAccessed(
+        ts_ms=1_000 + i, request_id=f"r{i}", block_hashes=(i + 1,), block_size_tokens=16
+    )
+
+
+class _Backlog:
+    """An EventSource holding ``n`` events; records what each poll asked for."""
+
+    def __init__(self, n: int) -> None:
+        self.events = [_event(i) for i in range(n)]
+        self.asked: list[int] = []
+        self.exhausted = False
+
+    def poll(self, max_events: int, timeout_ms: int) -> list[BlocksAccessed]:
+        self.asked.append(max_events)
+        out, self.events = self.events[:max_events], self.events[max_events:]
+        return out
+
+    def commit(self) -> None: ...
+
+    def dead_letter(self, event: Any, reason: str, error: str) -> None: ...
+
+    def close(self) -> None: ...
+
+    def stats(self) -> dict[str, Any]:
+        return {}
+
+
+class _Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def perf_counter(self) -> float:
+        return self.now
+
+    def time(self) -> float:
+        return time.time()
+
+
+@pytest.fixture
+def clock(monkeypatch: pytest.MonkeyPatch) -> _Clock:
+    c = _Clock()
+    monkeypatch.setattr(
+        serve_cli, "time", SimpleNamespace(perf_counter=c.perf_counter, time=c.time)
+    )
+    return c
+
+
+def test_the_sink_flush_is_not_charged_to_each_event_of_a_batch(clock: _Clock) -> None:
+    inner = _Backlog(0)
+    source = MeteredSource(inner, SidecarMetrics(), target_batch_latency_ms=20)
+    for i in range(5):  # one event per poll: 1 ms of handling, then a 4 ms flush
+        inner.events = [_event(i)]
+        assert len(source.poll(1024, 100)) == 1
+        clock.now += 0.005
+        source.delivered(flush_s=0.004)
+    # 1 ms per event fits 20 in the target (the flush counted per event: 4)
+    assert source.cost_per_event_s == pytest.approx(0.001)
+    inner.events = [_event(i) for i in range(100)]
+    assert len(source.poll(1024, 100)) == 20
+
+
+def test_a_backlog_is_drained_in_growing_batches(clock: _Clock) -> None:
+    inner = _Backlog(1_000)
+    source = MeteredSource(inner, SidecarMetrics(), target_batch_latency_ms=20)
+    source.cap = 10
+    sizes = [len(source.poll(1024, 100)) for _ in range(5)]
+    # full polls double the next ask (a backlog waits), up to MAX_CATCH_UP x the cap
+    assert sizes == [10, 20, 40, 40, 40]
+    inner.events = inner.events[:15]
+    assert len(source.poll(1024, 100)) == 15  # short of the 40 asked
+    assert source.catch_up == 1  # so back to the cap
+    inner.events = [_event(i) for i in range(50)]
+    assert len(source.poll(1024, 100)) == 10
+
+
+def test_catch_up_never_asks_past_the_batch_size(clock: _Clock) -> None:
+    inner = _Backlog(1_000)
+    source = MeteredSource(inner, SidecarMetrics(), target_batch_latency_ms=20)
+    source.cap = 16
+    for _ in range(6):
+        source.poll(64, 100)
+    assert max(inner.asked) == 64
+
+
+# --- Kafka clients (fakes: no broker) ------------------------------------------------------
+
+
+class _FakeConsumer:
+    built: list[dict[str, Any]] = []
+
+    def __init__(self, **cfg: Any) -> None:
+        _FakeConsumer.built.append(cfg)
+        self.config = {"retry_backoff_ms": 100, **cfg}
+
+    def partitions_for_topic(self, topic: str) -> set[int]:
+        return {0}
+
+    def subscribe(self, topics: list[str], listener: Any = None) -> None: ...
+
+    def close(self, autocommit: bool = True) -> None: ...
+
+
+class _FakeProducer:
+    metadata_asked: list[str] = []
+    fail_metadata = False
+
+    def __init__(self, **cfg: Any) -> None:
+        self.cfg = cfg
+
+    def partitions_for(self, topic: str) -> set[int]:
+        _FakeProducer.metadata_asked.append(topic)
+        if _FakeProducer.fail_metadata:
+            raise KafkaTimeoutError("no metadata")
+        return {0}
+
+    def flush(self, timeout: float | None = None) -> None: ...
+
+    def close(self, timeout: float | None = None) -> None: ...
+
+
+NO_PROBE = ConnectOptions(probe_s=0)
+
+
+def test_the_consumer_sleeps_briefly_when_poll_finds_nothing_to_wait_on(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(kafka_io, "KafkaConsumer", _FakeConsumer)
+    _FakeConsumer.built.clear()
+    source = KafkaEventSource("127.0.0.1:1", "events", options=NO_PROBE)
+    # Only the consumer's own copy changes (its poll's idle sleep); what its fetcher and
+    # coordinator were built with (error retries) keeps kafka-python's default.
+    assert source._consumer.config["retry_backoff_ms"] == 10
+    assert "retry_backoff_ms" not in _FakeConsumer.built[-1]
+    source = KafkaEventSource("127.0.0.1:1", "events", options=NO_PROBE, idle_backoff_ms=0)
+    assert source._consumer.config["retry_backoff_ms"] == 0
+    with pytest.raises(ValueError, match="idle backoff"):
+        KafkaEventSource("127.0.0.1:1", "events", options=NO_PROBE, idle_backoff_ms=-1)
+
+
+def test_producers_learn_their_topic_before_the_first_send(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(kafka_io, "KafkaProducer", _FakeProducer)
+    _FakeProducer.metadata_asked.clear()
+    _FakeProducer.fail_metadata = False
+    KafkaDecisionSink("127.0.0.1:1", "decisions", options=NO_PROBE)
+    kafka_io.KafkaEventProducer("127.0.0.1:1", "events", options=NO_PROBE)
+    assert _FakeProducer.metadata_asked == ["decisions", "events"]
+
+
+def test_a_producer_is_built_even_when_metadata_is_not_there_yet(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    monkeypatch.setattr(kafka_io, "KafkaProducer", _FakeProducer)
+    monkeypatch.setattr(_FakeProducer, "fail_metadata", True)
+    sink = KafkaDecisionSink("127.0.0.1:1", "decisions", options=NO_PROBE)
+    assert sink.topic == "decisions"
+    assert "no metadata for topic decisions" in caplog.text
