@@ -209,15 +209,14 @@ def open_loop(
 
 
 class _ArrivalTimedSource:
-    """Wraps a ``KafkaEventSource``: at each commit, records every event handled since
-    the last one with its latency from the moment the producer sent it (``sent``:
-    request id -> ``perf_counter`` time), so time waiting in Kafka counts."""
+    """Wraps a ``KafkaEventSource``: at each commit, notes for every event handled since
+    the last one when its decisions' commit returned (``time.monotonic``, which is
+    system-wide, so it compares with the send times the producer process reports)."""
 
-    def __init__(self, inner: Any, sent: dict[str, float]) -> None:
+    def __init__(self, inner: Any) -> None:
         self.inner = inner
-        self.sent = sent
         self.pending: list[str] = []
-        self.latencies_s: list[float] = []
+        self.committed_at: dict[str, float] = {}
 
     def poll(self, max_events: int, timeout_ms: int) -> list[Any]:
         events = self.inner.poll(max_events, timeout_ms)
@@ -226,12 +225,41 @@ class _ArrivalTimedSource:
 
     def commit(self) -> None:
         self.inner.commit()
-        now = time.perf_counter()
-        self.latencies_s += [now - self.sent[r] for r in self.pending if r in self.sent]
+        now = time.monotonic()
+        for r in self.pending:
+            self.committed_at.setdefault(r, now)
         self.pending.clear()
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.inner, name)
+
+
+def _produce_paced(
+    bootstrap: str, topic: str, events: list[Any], rate_events_per_s: float, out: Any
+) -> None:
+    """The open loop's producer, in a process of its own (as the ZMQ bridge or any
+    upstream producer is): a producer thread and its sender thread inside the
+    sidecar's process shared the loop's GIL, which no deployment does. Sends
+    ``events`` at ``rate_events_per_s`` (linger 0: each event goes out when it is due;
+    the 5 ms linger was 5 of the ~6 ms from send to broker append) and sends back
+    ``{request_id: time.monotonic() at send}``."""
+    from serving.kafka_io import KafkaEventProducer
+
+    sent: dict[str, float] = {}
+    # Built (connected, the topic's metadata fetched) before the first event's clock.
+    with KafkaEventProducer(
+        bootstrap, topic, client_id="kvwarm-bench-open", linger_ms=0
+    ) as producer:
+        start = time.monotonic()
+        for i, event in enumerate(events):
+            delay = start + i / rate_events_per_s - time.monotonic()
+            if delay > 0:
+                time.sleep(delay)
+            sent[event.request_id] = time.monotonic()
+            producer.send_event(event)
+        producer.flush()
+    out.send(sent)
+    out.close()
 
 
 def kafka_open_loop(
@@ -241,40 +269,53 @@ def kafka_open_loop(
     bootstrap: str,
     topic: str,
 ) -> tuple[float, float, float]:
-    """(achieved events/s, p50 ms, p99 ms): a producer thread sends ``events`` into a
+    """(achieved events/s, p50 ms, p99 ms): a producer process sends ``events`` into a
     one-partition ``topic`` at ``rate_events_per_s`` while the sidecar consumes it;
     latency per event from its send to its decisions' commit."""
-    from serving.kafka_io import KafkaEventProducer, KafkaEventSource, ensure_topics
+    import multiprocessing
+
+    from serving.kafka_io import KafkaEventSource, ensure_topics
 
     ensure_topics(bootstrap, {topic: 1})
-    sent: dict[str, float] = {}
-    source = _ArrivalTimedSource(KafkaEventSource(bootstrap, topic, group_id=topic + ".g"), sent)
+    source = _ArrivalTimedSource(KafkaEventSource(bootstrap, topic, group_id=topic + ".g"))
     source.inner.poll(1, timeout_ms=10_000)  # join the group before the clock starts
     service = Service(load_settings(None, **settings_kwargs), source=source)  # type: ignore[arg-type]
-
-    def produce() -> None:
-        with KafkaEventProducer(bootstrap, topic, client_id="kvwarm-bench-open") as producer:
-            start = time.perf_counter()
-            for i, event in enumerate(events):
-                delay = start + i / rate_events_per_s - time.perf_counter()
-                if delay > 0:
-                    time.sleep(delay)
-                sent[event.request_id] = time.perf_counter()
-                producer.send_event(event)
-            producer.flush()
-
-    producer = threading.Thread(target=produce, name="bench-open-producer", daemon=True)
+    # spawn, not fork: this process runs kafka-python's network threads.
+    ctx = multiprocessing.get_context("spawn")
+    receive, send = ctx.Pipe(duplex=False)
+    producer = ctx.Process(
+        target=_produce_paced,
+        args=(bootstrap, topic, events, rate_events_per_s, send),
+        name="bench-open-producer",
+        daemon=True,
+    )
     stop_watchdog = _watchdog(service, STALL_S)
+
+    def stop_if_producer_fails() -> None:
+        producer.join()
+        if producer.exitcode:
+            service.stop()
+
     try:
-        t0 = time.perf_counter()
         producer.start()
+        send.close()
+        threading.Thread(target=stop_if_producer_fails, daemon=True).start()
+        t0 = time.perf_counter()
         service.run(max_events=len(events))
         elapsed = time.perf_counter() - t0
+        sent: dict[str, float] = receive.recv() if receive.poll(60) else {}
     finally:
         stop_watchdog.set()
         producer.join(timeout=60)
         service.close()
-    lat = np.array(source.latencies_s or [0.0]) * 1000
+    # The sidecar's clock started before the producer process was up: achieved rate
+    # from the first send to the last commit.
+    if sent and source.committed_at:
+        elapsed = max(source.committed_at.values()) - min(sent.values())
+    lat = np.array(
+        [(source.committed_at[r] - t) * 1000 for r, t in sent.items() if r in source.committed_at]
+        or [0.0]
+    )
     return len(events) / elapsed, float(np.percentile(lat, 50)), float(np.percentile(lat, 99))
 
 
