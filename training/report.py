@@ -170,6 +170,28 @@ def _guarded(
     return guard
 
 
+def time_base_warning(name: str, model: Policy, replay_scale: float) -> str | None:
+    """Why a given model's scores mean less on this replay, or None: it was trained on
+    event time stretched ``time_scale`` times (``LearnedPolicy.time_base``) and the
+    replay stretches the trace ``replay_scale`` times (to offer ``--load``), so every
+    gap it sees (think times, time since last access, its horizon) is off by their
+    ratio."""
+    time_base = getattr(model, "time_base", None)
+    if not isinstance(time_base, dict):
+        return None
+    trained_scale = float(time_base.get("time_scale", 1.0) or 1.0)
+    ratio = replay_scale / trained_scale
+    if abs(ratio - 1.0) <= 0.01:
+        return None
+    return (
+        f"{name} was trained on time stretched x{trained_scale:g}, this replay stretches the "
+        f"trace x{replay_scale:.3g} (to offer --load): every time gap the model sees is "
+        f"{ratio:.3g}x what it learned on, so its figures understate it. Let replay train "
+        "it (leave out --model), or train it on a trace whose timestamps are stretched "
+        "as much, with the horizon stretched too"
+    )
+
+
 def run_comparison(
     events: Sequence[BlocksAccessed],
     config: ComparisonConfig,
@@ -203,6 +225,11 @@ def run_comparison(
         },
     )
     trained = dict(trained or {})
+    for name, model in trained.items():
+        warning = time_base_warning(name, model, scale)
+        if warning:
+            say(f"warning: {warning}")
+            report.training[name] = {"given": True, "time_base_warning": warning}
     for name in config.policies:
         if name in LEARNED and name not in trained:
             if trainer is None:
