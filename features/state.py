@@ -42,6 +42,7 @@ request with more new blocks than ``max_tracked_blocks`` raises
 
 from __future__ import annotations
 
+import itertools
 import math
 import sys
 from collections.abc import Iterable
@@ -728,8 +729,9 @@ class FeatureState:
         values = (
             block_hashes.tolist() if isinstance(block_hashes, np.ndarray) else list(block_hashes)
         )
-        get = self._index.get
-        return np.array([get(h, -1) for h in values], dtype=np.intp)
+        return np.fromiter(
+            map(self._index.get, values, itertools.repeat(-1)), dtype=np.intp, count=len(values)
+        )
 
     def known(self, block_hashes: np.ndarray | Iterable[int]) -> np.ndarray:
         """True for tracked hashes."""
