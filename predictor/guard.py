@@ -254,13 +254,17 @@ class GuardedPolicy(Policy):
             self.scales["outer"] = _Scale(
                 p.outer_capacity_blocks or 0, p.ghost_blocks, names, p.seed + len(names)
             )
-        self.rate = self.scales["fastest"].rate
         self.num_sampled_accesses = 0
         self.num_requests = 0
         self.num_switches = 0
         self.chosen = p.initial
         self._chosen_since = 0
         self._decay_per_access = 0.5 ** (1.0 / p.half_life_accesses)
+
+    @property
+    def rate(self) -> float:
+        """The fastest scale's sampling rate."""
+        return self.scales["fastest"].rate
 
     @property
     def ghosts(self) -> dict[str, _Ghost]:

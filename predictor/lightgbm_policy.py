@@ -30,6 +30,7 @@ from __future__ import annotations
 import ctypes
 import math
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar, Literal
 
@@ -87,14 +88,29 @@ class LightGBMPolicy(LearnedPolicy):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self.booster: lgb.Booster | None = None
-        self.trees: TreeEnsemble | None = None
-        """The validated parse of the model (set by fit and load)."""
-        self.compiled: CompiledTrees | None = None
-        """``trees`` compiled to native code, which scores when set (else ``booster``)."""
-        self.evaluator = "none"
-        """What scores: ``compiled``, or ``lightgbm`` and why not compiled."""
+        self.model: TreeModel | None = None
+        """The trees (set by fit and load); ``booster``, ``trees``, ``compiled`` and
+        ``evaluator`` read it."""
         self.sigma_log: float = 1.0
+
+    @property
+    def booster(self) -> lgb.Booster | None:
+        return self.model.booster if self.model is not None else None
+
+    @property
+    def trees(self) -> TreeEnsemble | None:
+        """The validated parse of the model."""
+        return self.model.trees if self.model is not None else None
+
+    @property
+    def compiled(self) -> CompiledTrees | None:
+        """``trees`` compiled to native code, which scores when set (else ``booster``)."""
+        return self.model.compiled if self.model is not None else None
+
+    @property
+    def evaluator(self) -> str:
+        """What scores: ``compiled``, or ``lightgbm`` and why not compiled."""
+        return self.model.evaluator if self.model is not None else "none"
 
     def _lgb_params(self) -> dict[str, Any]:
         p = self.params
@@ -168,12 +184,9 @@ class LightGBMPolicy(LearnedPolicy):
         )
         booster.best_iteration = booster.best_iteration or booster.current_iteration()
         # Keep only the trees early stopping chose, so the saved model is what was validated.
-        model_text = booster.model_to_string(num_iteration=booster.best_iteration)
-        self.trees = parse_lightgbm_model(model_text)
-        self.booster = lgb.Booster(model_str=model_text)
-        self.compiled, self.evaluator = _compiled(self.trees)
+        self.model = tree_model(booster.model_to_string(num_iteration=booster.best_iteration))
         if self.params.objective == "log_time_to_next":
-            pred = np.asarray(self.booster.predict(x_valid), dtype=np.float64)
+            pred = np.asarray(self.model.booster.predict(x_valid), dtype=np.float64)
             resid = pred - self._target(y_valid, time_to_next_valid_ms)
             self.sigma_log = float(max(np.sqrt(np.mean(resid**2)), 1e-3))
         self.fitted = True
@@ -181,17 +194,14 @@ class LightGBMPolicy(LearnedPolicy):
             "best_iteration": int(booster.best_iteration),
             "valid_curve": next(iter(evals.get("valid", {}).values()), []),
             "feature_importance_gain": dict(
-                zip(names, self.booster.feature_importance("gain").tolist(), strict=True)
+                zip(names, self.model.booster.feature_importance("gain").tolist(), strict=True)
             ),
         }
         return self
 
     def _predict(self, features: np.ndarray) -> np.ndarray:
-        assert self.booster is not None
-        if self.compiled is not None and self.trees is not None:
-            raw = self.trees.transform(self.compiled.predict_raw(features))
-        else:
-            raw = predict_rows(self.booster, features)
+        assert self.model is not None
+        raw = self.model.predict(features)
         if self.params.objective == "binary":
             return raw
         # P(log T <= log1p(H)) with log T ~ N(raw, sigma^2).
@@ -202,10 +212,7 @@ class LightGBMPolicy(LearnedPolicy):
         return {"evaluator": self.evaluator}
 
     def _adopt_model(self, other: Any) -> None:
-        self.booster = other.booster
-        self.trees = other.trees
-        self.compiled = other.compiled
-        self.evaluator = other.evaluator
+        self.model = other.model
         self.sigma_log = other.sigma_log
 
     def _write_model_files(self, directory: Path) -> list[str]:
@@ -215,20 +222,7 @@ class LightGBMPolicy(LearnedPolicy):
         return [MODEL_FILE, "sigma_log.txt"]
 
     def _read_model_files(self, directory: Path, manifest: dict[str, Any]) -> None:
-        path = directory / MODEL_FILE
-        text = read_model_text(path)  # size-bounded, UTF-8
-        self.trees = parse_lightgbm_model(text, path)  # structural validation first
-        try:
-            # Without tree_sizes: a wrong byte offset would abort LightGBM's parallel parse.
-            self.booster = lgb.Booster(model_str=without_tree_sizes(text))
-        except lgb.basic.LightGBMError as exc:
-            raise PolicyLoadError(path, f"not a readable LightGBM text model ({exc})") from exc
-        if self.booster.num_feature() != len(self.feature_names):
-            raise PolicyLoadError(
-                path,
-                f"model has {self.booster.num_feature()} features, expected {len(self.feature_names)}",
-            )
-        self.compiled, self.evaluator = _compiled(self.trees)
+        self.model = read_tree_model(directory / MODEL_FILE, len(self.feature_names))
         sigma_path = directory / "sigma_log.txt"
         try:
             self.sigma_log = float(sigma_path.read_text())
@@ -236,6 +230,50 @@ class LightGBMPolicy(LearnedPolicy):
             raise PolicyLoadError(sigma_path, f"expected one float ({exc})") from exc
         if not (math.isfinite(self.sigma_log) and self.sigma_log > 0):
             raise PolicyLoadError(sigma_path, f"sigma must be finite and > 0, got {self.sigma_log}")
+
+
+@dataclass(frozen=True)
+class TreeModel:
+    """A LightGBM text model as kvwarm scores it: LightGBM's own ``booster``, the
+    validated parse ``trees`` and, where a C compiler is at hand, those trees compiled to
+    native code (``compiled``; ``evaluator`` says which scores). The block model and the
+    chain return model (``predictor.chain_model``) both hold one."""
+
+    booster: lgb.Booster
+    trees: TreeEnsemble
+    compiled: CompiledTrees | None
+    evaluator: str
+
+    def predict(self, features: np.ndarray) -> np.ndarray:
+        """The objective's output per row (float64): the compiled trees, else LightGBM's
+        C API (``predict_rows``)."""
+        if self.compiled is not None:
+            return self.trees.transform(self.compiled.predict_raw(features))
+        return predict_rows(self.booster, features)
+
+
+def tree_model(text: str, path: str | Path = "<model text>") -> TreeModel:
+    """``text`` parsed and validated (``predictor.trees``) before LightGBM reads it, then
+    compiled; ``PolicyLoadError`` naming ``path`` on any problem."""
+    trees = parse_lightgbm_model(text, path)
+    try:
+        # Without tree_sizes: a wrong byte offset would abort LightGBM's parallel parse.
+        booster = lgb.Booster(model_str=without_tree_sizes(text))
+    except lgb.basic.LightGBMError as exc:
+        raise PolicyLoadError(path, f"not a readable LightGBM text model ({exc})") from exc
+    compiled, evaluator = _compiled(trees)
+    return TreeModel(booster, trees, compiled, evaluator)
+
+
+def read_tree_model(path: Path, num_features: int) -> TreeModel:
+    """``tree_model`` of the file at ``path`` (size-bounded, UTF-8), refused unless the
+    model takes ``num_features`` features."""
+    model = tree_model(read_model_text(path), path)
+    if model.booster.num_feature() != num_features:
+        raise PolicyLoadError(
+            path, f"model has {model.booster.num_feature()} features, expected {num_features}"
+        )
+    return model
 
 
 def _compiled(trees: TreeEnsemble) -> tuple[CompiledTrees | None, str]:

@@ -653,17 +653,8 @@ def fit_policy_on_events(
         model_params=quick_params if quick else {},
     )
     policy.training_info["time_base"] = {"unit": "ms", "clock": "event", "time_scale": time_scale}
-    policy.chain = fit_chain_model(events, horizon_ms, seed=seed)
+    policy.chain, _ = fit_chain_model_noted(events, horizon_ms, seed=seed)
     return policy
-
-
-def fit_chain_model(
-    events: Sequence[BlocksAccessed], horizon_ms: int, *, seed: int = 0
-) -> ChainPolicy | None:
-    """The per-chain return model for the same horizon (``predictor.chain_model``):
-    live chains sampled six times per horizon, idle for at most 60 horizons (1 h at the
-    default 60 s). None, with a warning, where the trace has too few chain returns."""
-    return fit_chain_model_noted(events, horizon_ms, seed=seed)[0]
 
 
 def fit_chain_model_noted(
@@ -673,9 +664,12 @@ def fit_chain_model_noted(
     seed: int = 0,
     valid_fraction: float = 0.25,
 ) -> tuple[ChainPolicy | None, str]:
-    """``fit_chain_model`` plus one line saying what happened: fitted on how many chain
-    rows (returns, trees kept), or why not (too few chain returns: logged as a
-    warning). ``valid_fraction``: the last rows that stop the boosting early."""
+    """The per-chain return model for the same horizon (``predictor.chain_model``):
+    live chains sampled six times per horizon, idle for at most 60 horizons (1 h at the
+    default 60 s); and one line saying what happened: fitted on how many chain rows
+    (returns, trees kept), or why not (None where the trace has too few chain returns,
+    logged as a warning). ``valid_fraction``: the last rows that stop the boosting
+    early."""
     params = ChainPolicy.Params(
         horizon_ms=horizon_ms,
         snapshot_interval_ms=max(1, horizon_ms // 6),

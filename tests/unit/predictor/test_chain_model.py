@@ -112,5 +112,5 @@ def test_chain_features_by_column_equal_the_row_definition_and_scores_are_lightg
     assert chain.tracker.features([], now).shape == (0, rows.shape[1])
     expected = chain.booster.predict(rows, num_threads=1)
     got = chain.predict_chains(leaves, now)
-    assert chain._compiled() is not None  # the compiled path is what scored
+    assert chain.model is not None and chain.model.compiled is not None  # what scored
     np.testing.assert_allclose(got, expected, atol=1e-6, rtol=0)

@@ -68,9 +68,17 @@ def clock(monkeypatch: pytest.MonkeyPatch) -> _Clock:
     return c
 
 
+def _metered(inner: _Backlog, cap: int | None = None) -> MeteredSource:
+    """``inner`` metered for a 20 ms batch target (``cap`` events a poll, when given)."""
+    source = MeteredSource(inner, SidecarMetrics(), target_batch_latency_ms=20)
+    if cap is not None:
+        source.cap = cap
+    return source
+
+
 def test_the_sink_flush_is_not_charged_to_each_event_of_a_batch(clock: _Clock) -> None:
     inner = _Backlog(0)
-    source = MeteredSource(inner, SidecarMetrics(), target_batch_latency_ms=20)
+    source = _metered(inner)
     for i in range(5):  # one event per poll: 1 ms of handling, then a 4 ms flush
         inner.events = [_event(i)]
         assert len(source.poll(1024, 100)) == 1
@@ -84,8 +92,7 @@ def test_the_sink_flush_is_not_charged_to_each_event_of_a_batch(clock: _Clock) -
 
 def test_a_backlog_is_drained_in_growing_batches(clock: _Clock) -> None:
     inner = _Backlog(1_000)
-    source = MeteredSource(inner, SidecarMetrics(), target_batch_latency_ms=20)
-    source.cap = 10
+    source = _metered(inner, cap=10)
     sizes = [len(source.poll(1024, 100)) for _ in range(5)]
     # full polls double the next ask (a backlog waits), up to MAX_CATCH_UP x the cap
     assert sizes == [10, 20, 40, 40, 40]
@@ -98,8 +105,7 @@ def test_a_backlog_is_drained_in_growing_batches(clock: _Clock) -> None:
 
 def test_catch_up_never_asks_past_the_batch_size(clock: _Clock) -> None:
     inner = _Backlog(1_000)
-    source = MeteredSource(inner, SidecarMetrics(), target_batch_latency_ms=20)
-    source.cap = 16
+    source = _metered(inner, cap=16)
     for _ in range(6):
         source.poll(64, 100)
     assert max(inner.asked) == 64
