@@ -155,9 +155,7 @@ class ChainTracker:
             anchors[anchor_block] = leaf
         index = self.index_blocks
         if index:
-            latest = self.latest_leaf
-            for block in blocks:
-                latest[block] = leaf
+            self.latest_leaf.update(zip(blocks, itertools.repeat(leaf)))
         root = blocks[0]
         roots = self.root_requests
         count = roots.get(root)
@@ -403,6 +401,60 @@ class ChainParams(PolicyParams):
     seed: int = Field(0, ge=0, description="Seed of training.")
 
 
+@dataclass(frozen=True)
+class ChainBlend:
+    """How a learned policy folds the chain model into its block scores: a logistic
+    regression on (logit of the block model's score, logit of the return probability
+    of the block's latest live chain, whether it has one) fitted on held-out rows
+    (``training.train.fit_chain_blend``). The block model sees one block's history; the
+    chain model sees its conversation's pace. Where the two disagree the fitted weights
+    say which to trust on this workload, and training keeps the blend only where a
+    held-out replay hits more with it."""
+
+    coef: tuple[float, float, float]
+    intercept: float
+
+    def __post_init__(self) -> None:
+        values = (*self.coef, self.intercept)
+        if len(self.coef) != 3 or not all(
+            isinstance(v, (int, float)) and math.isfinite(v) and abs(v) <= 1e3 for v in values
+        ):
+            raise ValueError(
+                "a chain blend needs 3 finite coefficients and a finite intercept, "
+                f"each within +-1000; got {values!r}"
+            )
+
+    def apply(self, block: np.ndarray, chain: np.ndarray, has_chain: np.ndarray) -> np.ndarray:
+        """Blended P(reuse within H) per block (float32)."""
+        z = self.design(block, chain, has_chain) @ np.asarray(self.coef) + self.intercept
+        return (1.0 / (1.0 + np.exp(-np.clip(z, -40.0, 40.0)))).astype(np.float32)
+
+    @staticmethod
+    def design(block: np.ndarray, chain: np.ndarray, has_chain: np.ndarray) -> np.ndarray:
+        """The regression's inputs, one row per block."""
+        has = np.asarray(has_chain, dtype=bool)
+        return np.column_stack(
+            (_logit(block), np.where(has, _logit(chain), 0.0), has.astype(np.float64))
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"coef": list(self.coef), "intercept": self.intercept}
+
+    @classmethod
+    def from_dict(cls, data: Any) -> ChainBlend:
+        if not isinstance(data, dict) or set(data) != {"coef", "intercept"}:
+            raise ValueError("a chain blend is a table with exactly 'coef' and 'intercept'")
+        coef = data["coef"]
+        if not isinstance(coef, list):
+            raise ValueError("a chain blend's 'coef' must be a list of 3 numbers")
+        return cls(tuple(coef), data["intercept"])  # type: ignore[arg-type]
+
+
+def _logit(p: np.ndarray) -> np.ndarray:
+    q = np.clip(np.asarray(p, dtype=np.float64), 1e-6, 1.0 - 1e-6)
+    return np.log(q / (1.0 - q))
+
+
 class ChainPolicy(Policy):
     """Block score = P(the latest chain that read it continues within H)."""
 
@@ -419,6 +471,9 @@ class ChainPolicy(Policy):
         TreeModel``, as the block model holds): chains score through native code, ~8x
         faster than ``Booster.predict`` at 1,000 rows, raw scores bit-identical."""
         self.training_info: dict[str, Any] = {}
+        self.blend: ChainBlend | None = None
+        """Set when training found that folding the chain model into the block scores
+        hits more on held-out requests (a learned policy then keeps ``latest_leaf``)."""
 
     @property
     def booster(self) -> Any:
@@ -473,6 +528,7 @@ class ChainPolicy(Policy):
         clone.tracker.index_blocks = self.tracker.index_blocks
         clone.model = self.model
         clone.training_info = dict(self.training_info)
+        clone.blend = self.blend
         return clone
 
     # -- persistence (inside a learned policy's directory) -------------------------------
@@ -484,11 +540,14 @@ class ChainPolicy(Policy):
             raise ValueError("the chain model is not fitted: nothing to save")
         (directory / CHAIN_MODEL_FILE).write_text(self.booster.model_to_string(), encoding="utf-8")
         info = {k: v for k, v in self.training_info.items() if isinstance(v, (int, float, str))}
-        return {
+        entry: dict[str, Any] = {
             "params": self.params.model_dump(mode="json"),
             "file": CHAIN_MODEL_FILE,
             "training_info": info,
         }
+        if self.blend is not None:
+            entry["blend"] = self.blend.to_dict()
+        return entry
 
     @classmethod
     def load_model(cls, directory: Path, entry: Any, where: Path) -> ChainPolicy:
@@ -512,6 +571,11 @@ class ChainPolicy(Policy):
         check_scores(policy.model.predict(probe_rows(len(CHAIN_FEATURES))), policy, path)
         info = entry.get("training_info", {})
         policy.training_info = dict(info) if isinstance(info, dict) else {}
+        if entry.get("blend") is not None:
+            try:
+                policy.blend = ChainBlend.from_dict(entry["blend"])
+            except (TypeError, ValueError) as exc:
+                raise PolicyLoadError(where, f"invalid chain blend: {exc}") from exc
         return policy
 
     def predict_chains(self, leaves: Sequence[int], now_ms: int) -> np.ndarray:
@@ -526,20 +590,58 @@ class ChainPolicy(Policy):
         self.tracker.observe(event)
 
     def score(self, block_hashes: np.ndarray, now_ms: int) -> np.ndarray:
+        return self.block_scores(block_hashes, now_ms)[0]
+
+    def block_scores(self, block_hashes: np.ndarray, now_ms: int) -> tuple[np.ndarray, np.ndarray]:
+        """(P(the block's latest live chain continues within H), whether it has one) per
+        block; 0 and False for a block of no live chain."""
         if not self.tracker.index_blocks:
             raise ValueError(
                 "this chain model keeps no block -> chain map (a learned policy's chain "
-                "model names prefetch candidates only)"
+                "model names prefetch candidates only, unless it blends)"
             )
         hashes = as_hash_array(block_hashes).tolist()
-        latest = self.tracker.latest_leaf
         chains = self.tracker.chains
-        leaves = [latest.get(b, -1) for b in hashes]
+        leaves = list(map(self.tracker.latest_leaf.get, hashes, itertools.repeat(-1)))
         live = sorted({leaf for leaf in leaves if leaf in chains})
         prob = dict(zip(live, self.predict_chains(live, now_ms).tolist(), strict=True))
-        return np.fromiter(
-            (prob.get(leaf, 0.0) for leaf in leaves), dtype=np.float32, count=len(leaves)
-        )
+        n = len(leaves)
+        scores = np.fromiter(map(prob.get, leaves, itertools.repeat(-1.0)), np.float32, count=n)
+        has = scores >= 0
+        scores[~has] = 0.0
+        return scores, has
+
+    def scores_at_rows(
+        self,
+        events: Sequence[BlocksAccessed],
+        events_seen: np.ndarray,
+        ts_ms: np.ndarray,
+        block_hashes: np.ndarray,
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """``block_scores`` of dataset rows (``training.dataset.Dataset``: a row taken
+        after ``events_seen`` of ``events`` were observed, at ``ts_ms``), each as a
+        fresh tracker following ``events`` would have answered it then. The policy's
+        own tracker is left as it was."""
+        n = block_hashes.shape[0]
+        scores, has = np.zeros(n, dtype=np.float32), np.zeros(n, dtype=bool)
+        saved = self.tracker
+        self.tracker = ChainTracker(max_chains=self.params.max_chains, index_blocks=True)
+        try:
+            order = np.lexsort((ts_ms, events_seen))
+            seen_sorted = events_seen[order]
+            bounds = np.searchsorted(seen_sorted, np.arange(len(events) + 2)).tolist()
+            for k, event in enumerate(events, start=1):
+                self.tracker.observe(event)
+                rows = order[bounds[k] : bounds[k + 1]]
+                if rows.size == 0:
+                    continue
+                instants = ts_ms[rows]
+                for ts in np.unique(instants).tolist():
+                    at = rows[instants == ts]
+                    scores[at], has[at] = self.block_scores(block_hashes[at], int(ts))
+        finally:
+            self.tracker = saved
+        return scores, has
 
     def prefetch_candidates(self, now_ms: int, limit: int) -> np.ndarray:
         """Blocks of the chains most likely to continue within H, best chain first,

@@ -110,15 +110,18 @@ class LearnedPolicy(Policy):
     def chain(self) -> ChainPolicy | None:
         """The per-chain return model (``predictor.chain_model``), when one was fitted
         beside the block model: it follows conversations online and names the blocks of
-        the chains most likely back soon as prefetch candidates. It keeps no block ->
-        chain map (set here: nothing reads it, and it is most of the tracker's cost)."""
+        the chains most likely back soon as prefetch candidates; with a ``blend``, its
+        return probabilities are folded into every block score too. Without a blend it
+        keeps no block -> chain map (set here: nothing reads it, and it is most of the
+        tracker's cost)."""
         return self._chain
 
     @chain.setter
     def chain(self, chain: ChainPolicy | None) -> None:
         if chain is not None:
-            chain.tracker.index_blocks = False
-            chain.tracker.latest_leaf.clear()
+            chain.tracker.index_blocks = chain.blend is not None
+            if not chain.tracker.index_blocks:
+                chain.tracker.latest_leaf.clear()
         self._chain = chain
 
     # --- online ---------------------------------------------------------------------
@@ -151,17 +154,27 @@ class LearnedPolicy(Policy):
         max_age_ms = self.params.score_max_age_ms
         state = self.state
         if max_age_ms == 0:
-            return self.predict_features(state.features_for(hashes, now_ms))
+            return self._blended(hashes, state.features_for(hashes, now_ms), now_ms)
         slots = state.slot_of(hashes)
         stored, usable = state.stored_scores(slots, now_ms, max_age_ms)
         if usable.all():
             return stored
         out = stored.copy()
         need = np.flatnonzero(~usable)
-        fresh = self.predict_features(state.features_for_slots(slots[need], now_ms))
+        fresh = self._blended(hashes[need], state.features_for_slots(slots[need], now_ms), now_ms)
         out[need] = fresh
         state.store_scores(slots[need], fresh, now_ms)
         return out
+
+    def _blended(self, hashes: np.ndarray, features: np.ndarray, now_ms: int) -> np.ndarray:
+        """The model's scores of these rows, folded with the chain model's return
+        probabilities of the same blocks when the chain model has a blend."""
+        scores = self.predict_features(features)
+        chain = self.chain
+        if chain is None or chain.blend is None:
+            return scores
+        returns, has_chain = chain.block_scores(hashes, now_ms)
+        return chain.blend.apply(scores, returns, has_chain)
 
     def predict_features(self, features: np.ndarray) -> np.ndarray:
         """Probability of reuse within the horizon per feature row (float32)."""
@@ -191,7 +204,10 @@ class LearnedPolicy(Policy):
                 raise ValueError("a chain tracker given to a policy without a chain model")
             return
         if tracker is None:
-            tracker = ChainTracker(max_chains=self.chain.params.max_chains, index_blocks=False)
+            tracker = ChainTracker(
+                max_chains=self.chain.params.max_chains,
+                index_blocks=self.chain.blend is not None,
+            )
         self.chain.tracker = tracker
 
     # --- model ----------------------------------------------------------------------
@@ -221,7 +237,8 @@ class LearnedPolicy(Policy):
         """Share the outgoing policy's ``FeatureState`` when it computes the same
         features (same ``FeatureParams``): no gap in history at all. Its chain tracker
         too, when both have a chain model keeping as many chains (the tracker is
-        stream state only; the chain model reads it the same way)."""
+        stream state only; the chain model reads it the same way; its block -> chain map
+        is kept or dropped as the new chain model's blend needs)."""
         chain_tracker = None
         if isinstance(state, LearnedHandover):
             chain_tracker = state.chain_tracker
@@ -237,6 +254,11 @@ class LearnedPolicy(Policy):
             and chain_tracker is not None
             and chain_tracker.max_chains == chain.params.max_chains
         ):
+            # A blend reads the block -> chain map: it fills from the next request on
+            # when the outgoing model kept none.
+            chain_tracker.index_blocks = chain.blend is not None
+            if not chain_tracker.index_blocks:
+                chain_tracker.latest_leaf.clear()
             chain.tracker = chain_tracker
         return True
 

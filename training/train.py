@@ -12,7 +12,10 @@
    whose horizon is complete, and the per-chain return model
    (``predictor.chain_model``, same horizon) on the same span's requests (train +
    validation, nothing of the test part; its own last rows stop it early): saved with
-   the policy, it names the prefetch candidates;
+   the policy, it names the prefetch candidates; then the chain blend
+   (``choose_chain_blend``): a logistic regression folding the chain model's return
+   probabilities into the block scores, fitted on the validation rows and kept only
+   when a replay of the validation span hits more with it than without;
 4. replay the whole trace through the model and every baseline
    (``training.evaluate``) and measure the test part.
 
@@ -39,7 +42,8 @@ from features.events import BlocksAccessed
 from features.feature_set import FEATURE_VERSION
 from features.state import FeatureParams
 from predictor import make_policy
-from predictor.chain_model import ChainPolicy
+from predictor.base import Policy
+from predictor.chain_model import ChainBlend, ChainPolicy
 from predictor.learned import LearnedPolicy
 from predictor.oracle import FutureAccesses
 from training.dataset import Dataset, build_dataset
@@ -193,20 +197,13 @@ def validate_on_holdout(
     mean hit ratio beats every heuristic's, it trails LRU by at most
     ``GATE_TOLERANCE`` at every capacity, and training did not degenerate
     (``warnings``)."""
-    from training.replay import distinct_blocks, replay_single_tier
-
     if not holdout:
         raise TrainingError("the held-out part is empty; lower --train-fraction")
-    num_distinct = distinct_blocks(holdout)
-    blocks = tuple(max(1, int(f * num_distinct)) for f in capacities)
+    blocks = holdout_capacities(holdout, capacities)
     ratios: dict[str, list[float]] = {}
     for name in (policy.name, *heuristics):
-        warmed = policy.fresh_copy() if name == policy.name else make_policy(name)
-        warmed.observe_many(warm)
-        ratios[name] = [
-            replay_single_tier(copy.deepcopy(warmed), holdout, capacity).hit_ratio
-            for capacity in blocks
-        ]
+        candidate = policy.fresh_copy() if name == policy.name else make_policy(name)
+        ratios[name] = holdout_hit_ratios(candidate, warm, holdout, blocks)
     table = ValidationTable(policy.name, tuple(capacities), blocks, ratios)
     best = max(heuristics, key=table.mean)
     model_mean, best_mean = table.mean(policy.name), table.mean(best)
@@ -232,6 +229,115 @@ def validate_on_holdout(
             f"and never trails LRU by more than {GATE_TOLERANCE}"
         )
     return table
+
+
+def holdout_capacities(
+    holdout: Sequence[BlocksAccessed], fractions: Sequence[float]
+) -> tuple[int, ...]:
+    """Cache sizes in blocks: each fraction of the held-out part's distinct blocks."""
+    from training.replay import distinct_blocks
+
+    num_distinct = distinct_blocks(holdout)
+    return tuple(max(1, int(f * num_distinct)) for f in fractions)
+
+
+def holdout_hit_ratios(
+    policy: Policy,
+    warm: Sequence[BlocksAccessed],
+    holdout: Sequence[BlocksAccessed],
+    capacities_blocks: Sequence[int],
+) -> list[float]:
+    """Single-tier hit ratio of ``policy`` (a fresh one: it observes ``warm`` first) on
+    ``holdout`` at each cache size."""
+    from training.replay import replay_single_tier
+
+    policy.observe_many(warm)
+    return [
+        replay_single_tier(copy.deepcopy(policy), holdout, capacity).hit_ratio
+        for capacity in capacities_blocks
+    ]
+
+
+BLEND_MAX_ROWS = 200_000
+"""Most held-out rows a chain blend is fitted on (a uniform sample beyond that)."""
+
+
+def fit_chain_blend(
+    policy: LearnedPolicy,
+    chain: ChainPolicy,
+    events: Sequence[BlocksAccessed],
+    rows: Dataset,
+    horizon_ms: int,
+    *,
+    seed: int = 0,
+) -> ChainBlend | None:
+    """The logistic regression that folds ``chain``'s return probabilities into
+    ``policy``'s block scores (``predictor.chain_model.ChainBlend``), fitted on the
+    labelled ``rows`` of a dataset built from ``events`` that neither model trained on
+    (the validation part). None where those rows hold a single class or no block of a
+    live chain."""
+    from sklearn.linear_model import LogisticRegression
+
+    keep = np.flatnonzero(rows.labels[f"horizon_complete_{horizon_ms}ms"].astype(bool))
+    if keep.size > BLEND_MAX_ROWS:
+        keep = np.sort(np.random.default_rng(seed).choice(keep, BLEND_MAX_ROWS, replace=False))
+    y = rows.labels[f"reused_within_{horizon_ms}ms"][keep].astype(bool)
+    if keep.size == 0 or y.all() or not y.any():
+        return None
+    returns, has_chain = chain.scores_at_rows(
+        events, rows.num_events_seen[keep], rows.ts_ms[keep], rows.block_hashes[keep]
+    )
+    if not has_chain.any():
+        return None
+    scores = policy.predict_features(rows.X[keep])
+    fit = LogisticRegression(C=1.0, max_iter=500).fit(
+        ChainBlend.design(scores, returns, has_chain), y
+    )
+    coef = tuple(float(v) for v in fit.coef_[0])
+    return ChainBlend((coef[0], coef[1], coef[2]), float(fit.intercept_[0]))
+
+
+def choose_chain_blend(
+    policy: LearnedPolicy,
+    chain: ChainPolicy,
+    events: Sequence[BlocksAccessed],
+    rows: Dataset,
+    horizon_ms: int,
+    warm: Sequence[BlocksAccessed],
+    holdout: Sequence[BlocksAccessed],
+    *,
+    capacities: Sequence[float] = GATE_CAPACITIES,
+    seed: int = 0,
+) -> str:
+    """Fit a blend (``fit_chain_blend``) and keep it on ``chain`` only if the policy
+    with it hits more on ``holdout`` (after ``warm``), mean over ``capacities``, than
+    without it: on workloads where a block's future is not its conversation's (long
+    prefixes shared by many requests) the blend can fit its rows and still evict worse.
+    ``policy.chain`` is set to ``chain`` either way. Returns a line saying what was
+    kept and why, with the figures."""
+    chain.blend = None
+    policy.chain = chain
+    blend = fit_chain_blend(policy, chain, events, rows, horizon_ms, seed=seed)
+    if blend is None:
+        return "chain blend: not fitted (no labelled rows of live chains with both outcomes)"
+    if not holdout:
+        return "chain blend: not kept (no held-out requests to check it on)"
+    blocks = holdout_capacities(holdout, capacities)
+    without = holdout_hit_ratios(policy.fresh_copy(), warm, holdout, blocks)
+    chain.blend = blend
+    policy.chain = chain
+    with_blend = holdout_hit_ratios(policy.fresh_copy(), warm, holdout, blocks)
+    mean_with, mean_without = float(np.mean(with_blend)), float(np.mean(without))
+    figures = (
+        f"held-out hit ratio {mean_with:.4f} with it, {mean_without:.4f} without "
+        f"(mean over {', '.join(f'{c * 100:g}%' for c in capacities)}); weights "
+        f"{', '.join(f'{v:+.3f}' for v in (*blend.coef, blend.intercept))}"
+    )
+    if mean_with <= mean_without:
+        chain.blend = None
+        policy.chain = chain
+        return f"chain blend: not kept, {figures}"
+    return f"chain blend: kept, {figures}"
 
 
 def degeneracy_warnings(policy: LearnedPolicy, x_valid: np.ndarray) -> list[str]:
@@ -399,6 +505,24 @@ def train_and_evaluate(
     )
     timings["chain_s"] = time.perf_counter() - t
     say(f"{chain_note} ({timings['chain_s']:.1f} s)")
+    if policy.chain is not None:
+        t = time.perf_counter()
+        first_valid = next((i for i, e in enumerate(events) if e.ts_ms > valid_cut), split)
+        blend_note = choose_chain_blend(
+            policy,
+            policy.chain,
+            events,
+            parts["valid"],
+            config.horizon_ms,
+            events[:first_valid],
+            events[first_valid:split],
+            capacities=config.gate_capacities,
+            seed=config.seed,
+        )
+        policy.training_info["chain_blend"] = blend_note
+        chain_note = f"{chain_note}; {blend_note}"
+        timings["chain_blend_s"] = time.perf_counter() - t
+        say(f"{blend_note} ({timings['chain_blend_s']:.1f} s)")
     validation = None
     if config.gate:
         t = time.perf_counter()
@@ -653,7 +777,15 @@ def fit_policy_on_events(
         model_params=quick_params if quick else {},
     )
     policy.training_info["time_base"] = {"unit": "ms", "clock": "event", "time_scale": time_scale}
-    policy.chain, _ = fit_chain_model_noted(events, horizon_ms, seed=seed)
+    chain, _ = fit_chain_model_noted(events, horizon_ms, seed=seed)
+    policy.chain = chain
+    if chain is not None:
+        split = next((i for i, e in enumerate(events) if e.ts_ms > cut), len(events))
+        note = choose_chain_blend(
+            policy, chain, events, valid, horizon_ms, events[:split], events[split:], seed=seed
+        )
+        policy.training_info["chain_blend"] = note
+        log.info(note)
     return policy
 
 
