@@ -41,6 +41,10 @@ def test_train_fits_the_chain_model_on_the_training_span_only(trained):
     assert chain is not None and chain.params.horizon_ms == HORIZON_MS
     assert result.chain_note.startswith("chain model: fitted")
     assert any(line.startswith("chain model: fitted") for line in lines)
+    # The blend is fitted on the validation rows and kept or not, with the figures.
+    blend_line = next(line for line in lines if line.startswith("chain blend:"))
+    assert ("held-out hit ratio" in blend_line) or ("not fitted" in blend_line)
+    assert (chain.blend is not None) == blend_line.startswith("chain blend: kept")
     # Its rows are those of the requests up to the end of validation, not one more.
     _, test_cut = time_cuts(events, config)
     span = [e for e in events if e.ts_ms <= test_cut]
