@@ -474,6 +474,9 @@ class ChainPolicy(Policy):
         self.blend: ChainBlend | None = None
         """Set when training found that folding the chain model into the block scores
         hits more on held-out requests (a learned policy then keeps ``latest_leaf``)."""
+        self._predicted: dict[int, tuple[_Chain, int, float]] = {}
+        """Leaf -> (its chain, when predicted, the prediction): the last prefetch
+        round's chain predictions, reused by the next ones under ``max_age_ms``."""
 
     @property
     def booster(self) -> Any:
@@ -643,19 +646,64 @@ class ChainPolicy(Policy):
             self.tracker = saved
         return scores, has
 
-    def prefetch_candidates(self, now_ms: int, limit: int) -> np.ndarray:
+    def prefetch_candidates(self, now_ms: int, limit: int, max_age_ms: int = 0) -> np.ndarray:
         """Blocks of the chains most likely to continue within H, best chain first,
-        among the ``candidate_chains`` most recently continued ones."""
+        among the ``candidate_chains`` most recently continued ones. ``max_age_ms`` > 0
+        (serving: ``LearnedParams.score_max_age_ms``): a chain's prediction is reused
+        while the chain is not continued or replaced and the prediction is at most this
+        old (event time), as a block's stored score is; 0 predicts every chain anew."""
         if self.booster is None or limit <= 0 or not self.tracker.chains:
             return np.zeros(0, dtype=np.uint64)
         chains = self.tracker.chains
         n = min(len(chains), self.params.candidate_chains)
         leaves = list(itertools.islice(reversed(chains), n))
-        order = np.argsort(-self.predict_chains(leaves, now_ms), kind="stable")
+        order = np.argsort(-self._round_predictions(leaves, now_ms, max_age_ms), kind="stable")
         out: dict[int, None] = {}
         for i in order.tolist():
-            for block in self.tracker.chains[leaves[i]].blocks:
+            for block in chains[leaves[i]].blocks:
                 out[block] = None
             if len(out) >= limit:
                 break
         return np.fromiter(out, dtype=np.uint64, count=len(out))[:limit]
+
+    def _round_predictions(self, leaves: list[int], now_ms: int, max_age_ms: int) -> np.ndarray:
+        """``predict_chains(leaves, now_ms)``, except that with ``max_age_ms`` > 0 a
+        prediction kept from an earlier round is reused while its chain is the same
+        object (a continued or repeated chain is a new one) and it has not expired. A
+        prediction made at ``t`` expires at ``t + max_age_ms * (1/2 .. 1)``, the share
+        drawn from the leaf's hash: predictions made in one round do not all expire in
+        the same later one, which would then predict every chain at once. Only this
+        round's chains are kept (at most ``candidate_chains``)."""
+        if max_age_ms <= 0:
+            self._predicted = {}
+            return self.predict_chains(leaves, now_ms)
+        chains = self.tracker.chains
+        get = self._predicted.get
+        out = np.empty(len(leaves), dtype=np.float32)
+        keep: dict[int, tuple[_Chain, int, float]] = {}
+        need: list[int] = []
+        for i, leaf in enumerate(leaves):
+            hit = get(leaf)
+            if hit is not None and hit[0] is chains[leaf] and now_ms <= hit[1]:
+                out[i] = hit[2]
+                keep[leaf] = hit
+            else:
+                need.append(i)
+        if need:
+            fresh_leaves = [leaves[i] for i in need]
+            fresh = self.predict_chains(fresh_leaves, now_ms)
+            out[need] = fresh
+            expires = now_ms + expiry_ms(np.asarray(fresh_leaves, dtype=np.uint64), max_age_ms)
+            for leaf, at, p in zip(fresh_leaves, expires.tolist(), fresh.tolist(), strict=True):
+                keep[leaf] = (chains[leaf], at, p)
+        self._predicted = keep
+        return out
+
+
+def expiry_ms(leaves: np.ndarray, max_age_ms: int) -> np.ndarray:
+    """How long each chain's prediction lives: ``max_age_ms`` times a share in [1/2, 1]
+    drawn from the leaf's hash (Fibonacci hashing: leaves are block hashes, already
+    uniform, but a multiply spreads ones that share high bits), as int64 ms."""
+    mixed = (leaves.astype(np.uint64) * np.uint64(0x9E3779B97F4A7C15)) >> np.uint64(11)
+    share = 0.5 + 0.5 * (mixed.astype(np.float64) / float(1 << 53))
+    return np.floor(max_age_ms * share).astype(np.int64)

@@ -56,7 +56,9 @@ class LearnedParams(PolicyParams):
         "at most this old (event time); 0 recomputes every score (exact, slowest). "
         "Shared trace, 5%, single tier: 10 s halves the model rows per access "
         "(12.5 -> 6.4) at an unchanged hit ratio (+0.0004); 60 s: 2.3 rows, -0.003. "
-        "Off (0) by default: evaluation compares scores with the model on the same rows.",
+        "The chain model's predictions of prefetch rounds are reused the same way (while "
+        "the chain is not continued). Off (0) by default: evaluation compares scores with "
+        "the model on the same rows; serving sets its own (SidecarSettings).",
     )
 
 
@@ -139,10 +141,11 @@ class LearnedPolicy(Policy):
         self.state.observe_many(events)
 
     def prefetch_candidates(self, now_ms: int, limit: int) -> np.ndarray:
-        """Blocks of the chains the chain model expects back soonest (none without one)."""
+        """Blocks of the chains the chain model expects back soonest (none without one).
+        The chain predictions follow ``score_max_age_ms`` as block scores do."""
         if self.chain is None:
             return super().prefetch_candidates(now_ms, limit)
-        return self.chain.prefetch_candidates(now_ms, limit)
+        return self.chain.prefetch_candidates(now_ms, limit, self.params.score_max_age_ms)
 
     def score(self, block_hashes: np.ndarray, now_ms: int) -> np.ndarray:
         """Stored scores where the refresh rule allows (``score_max_age_ms``), the rest
@@ -247,6 +250,7 @@ class LearnedPolicy(Policy):
             return False
         if state.params != self.feature_params:
             return False
+        state.forget_scores()  # stored by the outgoing model (score_max_age_ms > 0)
         self.state = state
         chain = self.chain
         if (

@@ -26,7 +26,7 @@ import logging
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Generator
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -77,11 +77,15 @@ class Sidecar:
         prefetch_levels: int = defaults.PREFETCH_LEVELS,
         allow_future: bool = False,
         prefetch_min_precision: float | None = defaults.PREFETCH_MIN_PRECISION,
+        prefetch_split: bool = False,
     ) -> None:
         """``allow_future``: only a replay passes True; it lets a policy that declares
         ``needs_future`` (the oracle) run. ``prefetch_min_precision``: speculative
         prefetch rounds run while their measured precision is at least this
-        (``serving.prefetch_gate``); None: always."""
+        (``serving.prefetch_gate``); None: always. ``prefetch_split`` (serving): a
+        prefetch round's steps (name the candidates, score them, fill each target tier)
+        run one per event, so no event carries a whole round; False (replay, the
+        default) runs a round inline with the event that starts it."""
         if policy.needs_future and not allow_future:
             raise ValueError(
                 f"policy {policy.name!r} needs future knowledge; it can only run in a replay"
@@ -105,8 +109,12 @@ class Sidecar:
             and not policy.needs_future
             else None
         )
+        self.prefetch_split = prefetch_split
         self.stats = LoopStats()
         self._last_prefetch_ms: int | None = None
+        self._round: Generator[list[Move], int | None, list[Move]] | None = None
+        """The prefetch round under way (``prefetch_split``): its next step runs at the
+        next event (or idle tick)."""
         self._lock = threading.Lock()  # policy hot-swap vs the loop
 
     # -- the per-event step ---------------------------------------------------------
@@ -140,8 +148,13 @@ class Sidecar:
         return moves
 
     def maybe_prefetch(self, now_ms: int) -> list[Move]:
+        """Start a prefetch round when ``prefetch_interval_ms`` has passed since the last
+        one, or (``prefetch_split``) run the next step of the round under way. Returns
+        the moves made now (already given to the hooks)."""
         if not self.prefetch_enabled:
             return []
+        if self._round is not None:
+            return self._step_round(now_ms)
         if (
             self._last_prefetch_ms is not None
             and now_ms - self._last_prefetch_ms < self.prefetch_interval_ms
@@ -154,6 +167,44 @@ class Sidecar:
         targets = [t for t in range(levels) if gate is None or gate.allow_round(t)]
         if not targets:
             return []
+        steps = self._prefetch_round(now_ms, targets)
+        if self.prefetch_split:
+            self._round = steps
+            return self._step_round(now_ms, first=True)
+        moves: list[Move] = []  # every step now, back to back, one emit
+        try:
+            while True:
+                moves += next(steps)
+        except StopIteration as done:
+            moves += done.value
+        if moves:
+            self._emit(None, moves, now_ms)
+        return moves
+
+    def _step_round(self, now_ms: int, *, first: bool = False) -> list[Move]:
+        """One step of the round under way, at ``now_ms``; its moves are emitted."""
+        assert self._round is not None
+        try:
+            moves = next(self._round) if first else self._round.send(now_ms)
+        except StopIteration as done:
+            self._round = None
+            moves = done.value
+        if moves:
+            self._emit(None, moves, now_ms)
+        return moves
+
+    def drop_round(self) -> None:
+        """Abandon the prefetch round under way (its state belongs to other data: a
+        shard switch, say); nothing it decided is undone."""
+        self._round = None
+
+    def _prefetch_round(
+        self, now_ms: int, targets: list[int]
+    ) -> Generator[list[Move], int | None, list[Move]]:
+        """The steps of one prefetch round (name the candidates, score them, fill each
+        target tier): each but the last yields the moves it made and is sent the time
+        of the next one (nothing sent: the time stays, as when the steps run back to
+        back, inline); the last returns its moves."""
         # Blocks of recent requests, then what the policy expects back soon beyond them.
         predicted = self.policy.prefetch_candidates(now_ms, PREDICTED_CANDIDATES).tolist()
         recent = list(
@@ -164,6 +215,8 @@ class Sidecar:
         ]
         if not candidates:
             return []
+        sent = yield []
+        now_ms = now_ms if sent is None else sent
         # Score the candidates once per round; every target tier reuses the scores.
         known = dict(
             zip(
@@ -191,11 +244,13 @@ class Sidecar:
         if predicted:
             wanted = set(predicted)
             fastest = [b for b in candidates if b in wanted]
-        moves: list[Move] = []
         # Fill each tier from the ones below it, slowest last: a block predicted to
         # return soon climbs as far as it outscores the residents it would displace.
+        moves: list[Move] = []
         for target in targets:
-            moves += self.planner.prefetch(
+            sent = yield moves
+            now_ms = now_ms if sent is None else sent
+            moves = self.planner.prefetch(
                 self.placement,
                 fastest if target == 0 else candidates,
                 score_round,
@@ -203,8 +258,6 @@ class Sidecar:
                 target,
                 self.prefetch_admit,
             )
-        if moves:
-            self._emit(None, moves, now_ms)
         return moves
 
     def _emit(self, event: BlocksAccessed | None, moves: list[Move], now_ms: int) -> None:

@@ -57,6 +57,7 @@ import numpy as np
 
 from features.events import BlocksAccessed
 from predictor.base import MANIFEST_NAME, Policy, PolicyError, PolicyLoadError
+from predictor.learned import LearnedPolicy
 from predictor.model_check import DEFAULT_PROBE_TIMEOUT_S, ModelProbeError, probe_policy
 from predictor.registry import available_policies, load_policy, make_policy
 
@@ -222,8 +223,13 @@ class ModelManager:
         scratch_dir: str | Path | None = None,
         probe_timeout_s: float = DEFAULT_PROBE_TIMEOUT_S,
         score_timeout_s: float = DEFAULT_SCORE_TIMEOUT_S,
+        score_max_age_ms: int | None = None,
     ) -> None:
+        """``score_max_age_ms``: set on every learned policy loaded (its
+        ``LearnedParams.score_max_age_ms``: how long a stored block score or chain
+        prediction is reused); None keeps what the saved model says."""
         self.spec = spec
+        self.score_max_age_ms = score_max_age_ms
         self.probe_timeout_s = probe_timeout_s
         self.score_timeout_s = score_timeout_s
         self.resolver = resolver or mlflow_resolver(tracking_uri)
@@ -308,6 +314,10 @@ class ModelManager:
             shutil.rmtree(scratch, ignore_errors=True)
         if policy.needs_future:
             raise PolicyError(f"policy {policy.name!r} needs future knowledge; serving refuses it")
+        if self.score_max_age_ms is not None and isinstance(policy, LearnedPolicy):
+            policy.params = policy.params.model_copy(
+                update={"score_max_age_ms": self.score_max_age_ms}
+            )
         check_time_base(policy)
         probe_policy(policy, self.probe_timeout_s, where=self.spec)
         return policy, version

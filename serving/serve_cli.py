@@ -391,7 +391,11 @@ class Service:
             # MLflow's client reads its bearer token from this variable only.
             os.environ["MLFLOW_TRACKING_TOKEN"] = settings.mlflow_tracking_token.get_secret_value()
 
-        self.models = ModelManager(settings.model, tracking_uri=settings.mlflow_tracking_uri)
+        self.models = ModelManager(
+            settings.model,
+            tracking_uri=settings.mlflow_tracking_uri,
+            score_max_age_ms=settings.score_max_age_ms,
+        )
         try:
             policy = self.models.load_initial(fallback=settings.model_fallback == "lru")
         except ModelStartError as exc:
@@ -411,6 +415,8 @@ class Service:
             prefetch_interval_ms=settings.prefetch_interval_ms,
             recent_requests=settings.recent_requests,
             prefetch=settings.prefetch,
+            # Per-partition state switches shards between events: a round runs inline.
+            prefetch_split=settings.prefetch_split and settings.state_topic is None,
         )
         self.sidecar.observe_score = self.metrics.scoring_seconds.observe
         if settings.executor_endpoint.scheme == "sim":

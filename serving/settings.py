@@ -321,6 +321,24 @@ class SidecarSettings(BaseSettings):
         le=3_600_000,
         description="Time between speculative prefetch rounds.",
     )
+    prefetch_split: bool = Field(
+        True,
+        description="Spread each prefetch round over the events after the one that starts "
+        "it, one step per event (name the candidates, score them, fill each target tier), "
+        "so no single event's latency carries a whole round. Off: the round runs inline, as "
+        "replay runs it. Ignored with state_topic (a checkpoint holds no round under way).",
+    )
+    score_max_age_ms: int | None = Field(
+        10_000,
+        ge=0,
+        le=3_600_000,
+        description="Serving only: a learned model's score of a block (and its chain "
+        "model's prediction of a chain) is kept and reused while the block is not accessed "
+        "again (the chain not continued) and at most this old; 0 recomputes every score "
+        "(exact, what replay evaluates), none keeps the saved model's own setting. Shared "
+        "trace, 5%, single tier: 10 s halved the model rows per access at an unchanged hit "
+        "ratio; in the sidecar it makes a prefetch round rescore only what changed.",
+    )
     recent_requests: int = Field(
         defaults.RECENT_REQUESTS,
         ge=1,

@@ -199,6 +199,7 @@ class ShardedState:
             if shard is None:
                 shard = self.shards[key] = self._new_shard(key)
             s, d = self.sidecar, self.decisions
+            s.drop_round()  # a split prefetch round belongs to the shard it started in
             s.policy, s.planner, s.placement = shard.policy, shard.planner, shard.placement
             s.recent, s._last_prefetch_ms = shard.recent, shard.last_prefetch_ms
             s.prefetch_gate = shard.gate

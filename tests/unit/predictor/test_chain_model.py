@@ -114,3 +114,50 @@ def test_chain_features_by_column_equal_the_row_definition_and_scores_are_lightg
     got = chain.predict_chains(leaves, now)
     assert chain.model is not None and chain.model.compiled is not None  # what scored
     np.testing.assert_allclose(got, expected, atol=1e-6, rtol=0)
+
+
+def test_chain_predictions_are_reused_until_the_chain_moves_on_or_they_expire(fitted):
+    policy, train, test = fitted
+    policy = policy.fresh_copy()
+    policy.observe_many(train)
+    predicted: list[int] = []
+    exact = policy.predict_chains
+
+    def counting(leaves, now_ms):
+        predicted.append(len(leaves))
+        return exact(leaves, now_ms)
+
+    def rows_predicted(now_ms: int, max_age_ms: int = 10_000) -> int:
+        predicted.clear()
+        policy.prefetch_candidates(now_ms, 256, max_age_ms)
+        return sum(predicted)
+
+    policy.predict_chains = counting  # type: ignore[method-assign]
+    now_ms = train[-1].ts_ms + 1
+    n = min(len(policy.tracker.chains), policy.params.candidate_chains)
+    first = policy.prefetch_candidates(now_ms, 256, 10_000)
+    assert sum(predicted) == n
+    # Same time, nothing new: every prediction is reused, and the ranking is the exact one.
+    assert rows_predicted(now_ms) == 0
+    assert np.array_equal(first, policy.prefetch_candidates(now_ms, 256, 10_000))
+    assert np.array_equal(first, policy.prefetch_candidates(now_ms, 256))
+    assert rows_predicted(now_ms, 0) == n  # 0: every chain, every time
+    assert rows_predicted(now_ms) == n  # (which keeps nothing)
+    # A new turn: only the chain it made or continued is predicted.
+    policy.observe(dataclasses.replace(test[0], ts_ms=now_ms + 1))
+    assert rows_predicted(now_ms + 1) == 1
+    # Predictions expire between max_age / 2 and max_age after they were made.
+    assert rows_predicted(now_ms + 10_000 // 2 - 1) == 0
+    assert rows_predicted(now_ms + 10_000 + 2) == n
+
+
+def test_chain_prediction_expiry_is_spread_over_half_to_all_of_the_age():
+    from predictor.chain_model import expiry_ms
+
+    leaves = np.arange(1, 20_001, dtype=np.uint64) * np.uint64(7_919)
+    ages = expiry_ms(leaves, 10_000)
+    assert ages.min() >= 5_000 and ages.max() <= 10_000
+    # Spread, not bunched: each tenth of the range holds roughly a tenth of the leaves.
+    counts = np.histogram(ages, bins=10, range=(5_000, 10_000))[0]
+    assert counts.min() > 0.07 * len(leaves)
+    assert np.array_equal(ages, expiry_ms(leaves, 10_000))  # deterministic

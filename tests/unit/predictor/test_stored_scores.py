@@ -72,3 +72,25 @@ def test_lstm_scores_do_not_depend_on_the_batch_they_are_padded_into(
     whole = policy.predict_features(rows)  # padded to 128 rows
     for n in (1, 3, 17):  # padded to 16, 16, 32 rows
         np.testing.assert_allclose(policy.predict_features(rows[:n]), whole[:n], atol=1e-6)
+
+
+def test_a_policy_adopting_the_state_does_not_read_the_outgoing_models_scores(
+    ready_policy, contract_events
+) -> None:
+    outgoing = _with_max_age(ready_policy("lightgbm"), 10_000)
+    outgoing.observe_many(contract_events[:200])
+    hashes = outgoing.state.tracked_hashes()
+    t = contract_events[199].ts_ms + 1
+    outgoing.score(hashes, t)  # stored in the shared state
+    incoming = _with_max_age(outgoing.fresh_copy(), 10_000)
+    rows: list[int] = []
+    predict = incoming.predict_features
+
+    def counting(features: np.ndarray) -> np.ndarray:
+        rows.append(len(features))
+        return predict(features)
+
+    incoming.predict_features = counting  # type: ignore[method-assign]
+    assert incoming.adopt_state(outgoing.handover_state())
+    incoming.score(hashes, t + 1)
+    assert rows == [len(hashes)]

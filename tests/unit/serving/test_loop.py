@@ -76,3 +76,66 @@ def test_serving_refuses_the_oracle():
         Sidecar(oracle, Planner(), Placement(["hbm"], [10]))
     # A replay declares that it may run it.
     assert Sidecar(oracle, Planner(), Placement(["hbm"], [10]), allow_future=True).policy is oracle
+
+
+def _prefetching(split: bool) -> Sidecar:
+    placement = Placement(["hbm", "dram", "nvme"], [100, 400, 4_000])
+    return Sidecar(
+        make_policy("lru"),
+        Planner(PlannerParams(min_residency_ms=0)),
+        placement,
+        prefetch_min_precision=None,
+        prefetch_split=split,
+    )
+
+
+def test_a_split_prefetch_round_runs_one_step_per_event(small_trace):
+    sidecar = _prefetching(split=True)
+    steps: list[list[str]] = []
+    policy, planner = sidecar.policy, sidecar.planner
+    name_candidates, fill = policy.prefetch_candidates, planner.prefetch
+
+    def named(*args):
+        steps[-1].append("candidates")
+        return name_candidates(*args)
+
+    def filled(*args):
+        steps[-1].append("fill")
+        return fill(*args)
+
+    policy.prefetch_candidates = named  # type: ignore[method-assign]
+    planner.prefetch = filled  # type: ignore[method-assign]
+    for event in list(read_trace(small_trace))[:600]:
+        steps.append([])
+        sidecar.handle(event)
+    assert all(len(s) <= 1 for s in steps)
+    # C: candidates named, _: scored (or nothing), F: a tier filled. A round is C_FF
+    # (one fill per target tier), or C alone when it found no candidates.
+    trail = "".join({"candidates": "C", "fill": "F"}[s[0]] if s else "_" for s in steps)
+    trail = trail[: trail.rfind("C")]  # the last round may still be under way
+    assert trail.count("C_FF") > 10
+    assert "F" not in trail.replace("C_FF", "")
+    assert sidecar.stats.moves_by_kind.get("prefetch", 0) > 0
+
+
+def test_split_round_steps_back_to_back_make_the_inline_rounds_moves(small_trace):
+    inline, split = _prefetching(split=False), _prefetching(split=True)
+    events = list(read_trace(small_trace))[:400]
+    for sidecar in (inline, split):
+        sidecar.prefetch_enabled = False
+        for event in events:
+            sidecar.handle(event)
+        sidecar.prefetch_enabled = True
+    now_ms = events[-1].ts_ms
+    expected = inline.maybe_prefetch(now_ms)
+    got = split.maybe_prefetch(now_ms)
+    assert split._round is not None and not got  # the first step names candidates only
+    while split._round is not None:
+        got += split.maybe_prefetch(now_ms)
+    assert expected and got == expected
+    assert [split.placement.tier_of(m.block) for m in got] == [
+        inline.placement.tier_of(m.block) for m in expected
+    ]
+    assert inline.maybe_prefetch(now_ms) == []  # the interval has not passed
+    split.drop_round()
+    assert split._round is None

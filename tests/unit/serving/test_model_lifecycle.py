@@ -185,3 +185,10 @@ def test_a_model_trained_on_a_stretched_trace_is_refused(tmp_path):
         ModelManager(str(directory)).load_initial(fallback=False)
     unscaled = fitted_lightgbm().save(tmp_path / "trained")
     assert ModelManager(str(unscaled)).load_initial(fallback=False).name == "lightgbm"
+
+
+def test_serving_sets_the_score_age_of_learned_models_only(saved_model):
+    assert ModelManager(str(saved_model)).load_initial().params.score_max_age_ms == 0
+    served = ModelManager(str(saved_model), score_max_age_ms=10_000).load_initial()
+    assert served.params.score_max_age_ms == 10_000
+    assert ModelManager("lru", score_max_age_ms=10_000).load_initial().name == "lru"
