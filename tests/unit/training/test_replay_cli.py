@@ -48,6 +48,8 @@ def test_demo_writes_tables_plots_results_and_an_mlflow_run(tmp_path, monkeypatc
     assert policies == {"no_cache", "no_prewarm", "lru", "lightgbm", "oracle"}
     assert data["trace"]["sha256"] and data["training"]["lightgbm"]["seconds"] > 0
     assert data["training"]["lightgbm"]["model_size_bytes"] > 0
+    # Whether the chain blend was kept, and on what figures, is on record.
+    assert data["training"]["lightgbm"]["chain_blend"].startswith("chain blend: ")
     for png in ("hit_ratio_vs_capacity.png", "gap_closed.png", "ttft_cdf.png"):
         assert (out / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     # The MLflow run holds the same results and plots.
