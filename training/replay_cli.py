@@ -31,10 +31,11 @@ from training.report import (
 DEFAULT_OUT = Path("runs")
 
 
-def make_trainer(quick: bool, horizon_ms: int = 60_000) -> Trainer:
+def make_trainer(quick: bool, horizon_ms: int | None = None) -> Trainer:
     """Train a learned policy on the replay's training part with the training module's
     settings (``quick``: a few seconds, for demos and tests). The horizon is given in
-    the original trace's time and stretched with the replay's time scale."""
+    the original trace's time and stretched with the replay's time scale; None chooses
+    it on held-out requests (``training.train.choose_horizon``)."""
 
     def trainer(name: str, events: Sequence[BlocksAccessed], time_scale: float) -> Policy:
         from training.train import fit_policy_on_events
@@ -43,7 +44,7 @@ def make_trainer(quick: bool, horizon_ms: int = 60_000) -> Trainer:
             name,
             events,
             quick=quick,
-            horizon_ms=int(horizon_ms * time_scale),
+            horizon_ms=int(horizon_ms * time_scale) if horizon_ms is not None else None,
             time_scale=time_scale,
         )
 

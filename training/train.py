@@ -31,7 +31,7 @@ import hashlib
 import logging
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -75,7 +75,9 @@ class TrainConfig:
     """Everything that decides a training run's result (all of it is logged)."""
 
     model: str = "lightgbm"
-    horizon_ms: int = 60_000
+    horizon_ms: int | None = 60_000
+    """H; None chooses it on the validation span (``choose_horizon`` among
+    ``HORIZON_CANDIDATES_MS``), and the result's config carries the chosen one."""
     train_fraction: float = 0.6
     """Share of the trace's time span used for training + validation; the rest is test."""
     valid_fraction: float = 0.2
@@ -103,7 +105,7 @@ class TrainConfig:
             )
         if not 0 < self.train_fraction < 1 or not 0 < self.valid_fraction < 1:
             raise TrainingError("train_fraction and valid_fraction must be in (0, 1)")
-        if self.horizon_ms <= 0:
+        if self.horizon_ms is not None and self.horizon_ms <= 0:
             raise TrainingError(f"horizon must be positive, got {self.horizon_ms} ms")
 
 
@@ -465,7 +467,7 @@ def train_and_evaluate(
     t = time.perf_counter()
     dataset = build_dataset(
         events,
-        horizons_ms=(config.horizon_ms,),
+        horizons_ms=HORIZON_CANDIDATES_MS if config.horizon_ms is None else (config.horizon_ms,),
         snapshot_interval_ms=config.snapshot_interval_ms,
         snapshot_blocks=config.snapshot_blocks,
         seed=config.seed,
@@ -479,6 +481,30 @@ def train_and_evaluate(
         + ", ".join(f"{k} {v.num_rows:,}" for k, v in parts.items())
     )
 
+    split = next((i for i, e in enumerate(events) if e.ts_ms > test_cut), len(events))
+    first_valid = next((i for i, e in enumerate(events) if e.ts_ms > valid_cut), split)
+    horizon_note = None
+    if config.horizon_ms is None:
+        # The given model params are checked before any quick fit: a bad one is said first.
+        make_policy(config.model, {"horizon_ms": 1, **config.model_params})
+        t = time.perf_counter()
+        say(
+            f"choosing the horizon among {', '.join(f'{h / 1000:g} s' for h in HORIZON_CANDIDATES_MS)} ..."
+        )
+        chosen, _, horizon_note = choose_horizon(
+            config.model,
+            parts["train"],
+            parts["valid"],
+            events[:first_valid],
+            events[first_valid:split],
+            model_params=quick_model_params(config.model),
+            seed=config.seed,
+            capacities=config.gate_capacities,
+        )
+        config = replace(config, horizon_ms=chosen)
+        timings["horizon_s"] = time.perf_counter() - t
+        say(f"{horizon_note} ({timings['horizon_s']:.1f} s)")
+    assert config.horizon_ms is not None
     t = time.perf_counter()
     say(f"training {config.model} (horizon {config.horizon_ms / 1000:g} s) ...")
     policy = fit_learned(
@@ -495,7 +521,8 @@ def train_and_evaluate(
     warnings = degeneracy_warnings(policy, _labelled(parts["valid"], config.horizon_ms)[0])
     for warning in warnings:
         say(f"WARNING: {warning}")
-    split = next((i for i, e in enumerate(events) if e.ts_ms > test_cut), len(events))
+    if horizon_note is not None:
+        policy.training_info["horizon"] = horizon_note
     t = time.perf_counter()
     policy.chain, chain_note = fit_chain_model_noted(
         events[:split],
@@ -507,7 +534,6 @@ def train_and_evaluate(
     say(f"{chain_note} ({timings['chain_s']:.1f} s)")
     if policy.chain is not None:
         t = time.perf_counter()
-        first_valid = next((i for i, e in enumerate(events) if e.ts_ms > valid_cut), split)
         blend_note = choose_chain_blend(
             policy,
             policy.chain,
@@ -600,7 +626,9 @@ def run_tracked(
     if alias and not register:
         raise TrainingError("--alias needs --register NAME")
     with tracking.tracked_run(
-        experiment, run_name=f"{config.model}-h{config.horizon_ms}", uri=store_uri
+        experiment,
+        run_name=f"{config.model}-h{config.horizon_ms or 'auto'}",
+        uri=store_uri,
     ) as run:
         result = train_and_evaluate(trace, config, echo=echo, show_progress=show_progress)
         log_training_run(run, result, trace=str(trace), register=register, alias=alias, echo=echo)
@@ -625,6 +653,7 @@ def log_training_run(
 
     say = echo or (lambda _line: None)
     config, policy = result.config, result.policy
+    assert config.horizon_ms is not None  # chosen by then
     params: dict[str, Any] = {
         "model": config.model,
         "trace": trace,
@@ -637,6 +666,7 @@ def log_training_run(
         **{f"rows.{k}": v.num_rows for k, v in result.parts.items()},
         "training_warnings": " | ".join(result.warnings) or "none",
         "chain_model": result.chain_note or "none",
+        "horizon_choice": policy.training_info.get("horizon", "given"),
     }
     metrics: dict[str, float] = {}
     validation = result.validation
@@ -729,18 +759,80 @@ def permutation_importance(
     return out
 
 
+HORIZON_CANDIDATES_MS: tuple[int, ...] = (2_000, 10_000, 60_000, 300_000)
+"""The horizons an automatic choice tries (``choose_horizon``), in the trace's own time.
+Which one fits is the workload's: the shared trace's conversations come back after
+minutes (its first 4,000 requests, quick fit, share of the LRU-to-Belady gap closed at
+1/5/10%: 60 s 24/28/32%, 10 s 25/18/17%), the agent profile's tool loops within
+seconds (2 s 22/23/19%, 60 s 3/7/2%: nearly every block is reused within a minute, so
+that label tells blocks apart no better than recency)."""
+
+
+def quick_model_params(name: str) -> dict[str, Any]:
+    """Model settings of a fit in seconds (demos, tests, the horizon choice)."""
+    if name == "lightgbm":
+        return {"num_boost_round": 40, "num_leaves": 15, "min_data_in_leaf": 20}
+    return {"max_epochs": 2, "hidden_size": 8, "context_size": 16, "max_train_rows": 20_000}
+
+
+def choose_horizon(
+    name: str,
+    train: Dataset,
+    valid: Dataset,
+    warm: Sequence[BlocksAccessed],
+    holdout: Sequence[BlocksAccessed],
+    *,
+    model_params: dict[str, Any],
+    seed: int = 0,
+    capacities: Sequence[float] = GATE_CAPACITIES,
+) -> tuple[int, LearnedPolicy, str]:
+    """Fit a ``name`` policy (``model_params``) at each horizon the datasets carry
+    labels for and keep the one whose policy hits most on ``holdout`` (after ``warm``),
+    mean over ``capacities``. Returns (that horizon, its policy, a line with every
+    candidate's figure). A horizon whose training rows hold one class is skipped."""
+    blocks = holdout_capacities(holdout, capacities)
+    results: dict[int, tuple[float, LearnedPolicy]] = {}
+    skipped: list[str] = []
+    for horizon_ms in train.horizons_ms:
+        try:
+            policy = fit_learned(
+                name, train, valid, horizon_ms=horizon_ms, seed=seed, model_params=model_params
+            )
+        except TrainingError:
+            skipped.append(f"{horizon_ms / 1000:g} s")
+            continue
+        mean = float(np.mean(holdout_hit_ratios(policy.fresh_copy(), warm, holdout, blocks)))
+        results[horizon_ms] = (mean, policy)
+    if not results:
+        raise TrainingError(
+            "every candidate horizon gives single-class training rows; use a longer trace"
+        )
+    best = max(results, key=lambda h: results[h][0])
+    figures = ", ".join(f"{h / 1000:g} s {m:.4f}" for h, (m, _) in results.items())
+    note = (
+        f"horizon: {best / 1000:g} s, the best held-out hit ratio (mean over "
+        f"{', '.join(f'{c * 100:g}%' for c in capacities)}) of {figures}"
+    )
+    if skipped:
+        note += f"; single-class labels at {', '.join(skipped)}"
+    return best, results[best][1], note
+
+
 def fit_policy_on_events(
     name: str,
     events: Sequence[BlocksAccessed],
     *,
     seed: int = 0,
     quick: bool = True,
-    horizon_ms: int = 60_000,
+    horizon_ms: int | None = 60_000,
     time_scale: float = 1.0,
 ) -> LearnedPolicy:
     """A learned policy fitted on the first 75% (by time) of ``events``, validated on
     the rest; ``quick`` keeps it to seconds (tests, demos). ``time_scale``: how much a
-    replay stretched ``events``' time, recorded in the model's time base."""
+    replay stretched ``events``' time, recorded in the model's time base.
+    ``horizon_ms`` None chooses it (``choose_horizon`` among ``HORIZON_CANDIDATES_MS``
+    stretched by ``time_scale``, with quick fits; a full fit is then made at the chosen
+    one), and ``training_info["horizon"]`` says how."""
     if len(events) < 3:
         raise TrainingError(f"need at least 3 requests, got {len(events)}")
     # Eviction asks about idle residents at any time since their last access, so the
@@ -751,9 +843,14 @@ def fit_policy_on_events(
     snapshot_interval_ms, snapshot_blocks, sample = (
         (10_000, 128, 1.0) if quick else (5_000, 1024, 0.3)
     )
+    horizons = (
+        (horizon_ms,)
+        if horizon_ms is not None
+        else tuple(max(1, int(h * time_scale)) for h in HORIZON_CANDIDATES_MS)
+    )
     dataset = build_dataset(
         events,
-        horizons_ms=(horizon_ms,),
+        horizons_ms=horizons,
         sample=sample,
         snapshot_interval_ms=snapshot_interval_ms,
         snapshot_blocks=snapshot_blocks,
@@ -761,26 +858,33 @@ def fit_policy_on_events(
     )
     t0, t1 = events[0].ts_ms, events[-1].ts_ms
     cut = int(t0 + 0.75 * (t1 - t0))
+    split = next((i for i, e in enumerate(events) if e.ts_ms > cut), len(events))
     train = dataset.take(np.flatnonzero(dataset.ts_ms <= cut), end_ts_ms=cut)
     valid = dataset.take(np.flatnonzero(dataset.ts_ms > cut))
-    quick_params: dict[str, Any] = (
-        {"num_boost_round": 40, "num_leaves": 15, "min_data_in_leaf": 20}
-        if name == "lightgbm"
-        else {"max_epochs": 2, "hidden_size": 8, "context_size": 16, "max_train_rows": 20_000}
-    )
-    policy = fit_learned(
-        name,
-        train,
-        valid,
-        horizon_ms=horizon_ms,
-        seed=seed,
-        model_params=quick_params if quick else {},
-    )
+    quick_params = quick_model_params(name)
+    horizon_note = None
+    if horizon_ms is None:
+        horizon_ms, chosen, horizon_note = choose_horizon(
+            name, train, valid, events[:split], events[split:], model_params=quick_params, seed=seed
+        )
+        log.info(horizon_note)
+    if horizon_note is not None and quick:
+        policy = chosen
+    else:
+        policy = fit_learned(
+            name,
+            train,
+            valid,
+            horizon_ms=horizon_ms,
+            seed=seed,
+            model_params=quick_params if quick else {},
+        )
     policy.training_info["time_base"] = {"unit": "ms", "clock": "event", "time_scale": time_scale}
+    if horizon_note is not None:
+        policy.training_info["horizon"] = horizon_note
     chain, _ = fit_chain_model_noted(events, horizon_ms, seed=seed)
     policy.chain = chain
     if chain is not None:
-        split = next((i for i, e in enumerate(events) if e.ts_ms > cut), len(events))
         note = choose_chain_blend(
             policy, chain, events, valid, horizon_ms, events[:split], events[split:], seed=seed
         )

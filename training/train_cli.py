@@ -61,10 +61,11 @@ def _parse_params(pairs: tuple[str, ...]) -> dict[str, Any]:
 @click.option(
     "--horizon",
     "horizon",
-    default="60s",
+    default="auto",
     show_default=True,
-    help="H: predict reuse within (t, t+H]; with a unit: 60s, 2m, 45000ms.",
-    callback=lambda ctx, param, value: parse_duration_ms(value),
+    help="H: predict reuse within (t, t+H]; with a unit: 60s, 2m, 45000ms. auto: the "
+    "one of 2s, 10s, 60s, 5m whose quick fit hits most on the validation span.",
+    callback=lambda ctx, param, value: None if value == "auto" else parse_duration_ms(value),
 )
 @click.option("--experiment", default="kvwarm", show_default=True, help="MLflow experiment name.")
 @click.option("--register", "register", default=None, help="Register the model under this name.")
@@ -110,7 +111,7 @@ def _parse_params(pairs: tuple[str, ...]) -> dict[str, Any]:
 def train(
     trace: Path,
     model: str,
-    horizon: int,
+    horizon: int | None,
     experiment: str,
     register: str | None,
     alias: str | None,
