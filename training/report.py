@@ -241,10 +241,11 @@ def run_comparison(
             trained[name] = trainer(name, train, scale)
             report.training[name] = {"seconds": time.perf_counter() - t0}
             report.training[name]["model_size_bytes"] = _saved_size_bytes(trained[name])
-            blend_note = getattr(trained[name], "training_info", {}).get("chain_blend")
-            if blend_note:
-                say(blend_note)
-                report.training[name]["chain_blend"] = blend_note
+            info = getattr(trained[name], "training_info", {})
+            for key in ("horizon", "chain_blend"):  # what training chose, and why
+                if info.get(key):
+                    say(info[key])
+                    report.training[name][key] = info[key]
     future = (
         FutureAccesses(access_arrays(events))
         if "oracle" in config.policies

@@ -50,6 +50,7 @@ def test_demo_writes_tables_plots_results_and_an_mlflow_run(tmp_path, monkeypatc
     assert data["training"]["lightgbm"]["model_size_bytes"] > 0
     # Whether the chain blend was kept, and on what figures, is on record.
     assert data["training"]["lightgbm"]["chain_blend"].startswith("chain blend: ")
+    assert data["training"]["lightgbm"]["horizon"].startswith("horizon: ")
     for png in ("hit_ratio_vs_capacity.png", "gap_closed.png", "ttft_cdf.png"):
         assert (out / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     # The MLflow run holds the same results and plots.
