@@ -123,6 +123,12 @@ class ChainTracker:
     def max_roots(self) -> int:
         return 2 * self.max_chains
 
+    def keep_block_map(self, on: bool) -> None:
+        """Keep ``latest_leaf`` from the next request on, or stop and drop it."""
+        self.index_blocks = on
+        if not on:
+            self.latest_leaf.clear()
+
     def observe(self, event: Event) -> None:
         if not isinstance(event, BlocksAccessed) or not event.block_hashes:
             return

@@ -121,9 +121,7 @@ class LearnedPolicy(Policy):
     @chain.setter
     def chain(self, chain: ChainPolicy | None) -> None:
         if chain is not None:
-            chain.tracker.index_blocks = chain.blend is not None
-            if not chain.tracker.index_blocks:
-                chain.tracker.latest_leaf.clear()
+            chain.tracker.keep_block_map(chain.blend is not None)
         self._chain = chain
 
     # --- online ---------------------------------------------------------------------
@@ -260,9 +258,7 @@ class LearnedPolicy(Policy):
         ):
             # A blend reads the block -> chain map: it fills from the next request on
             # when the outgoing model kept none.
-            chain_tracker.index_blocks = chain.blend is not None
-            if not chain_tracker.index_blocks:
-                chain_tracker.latest_leaf.clear()
+            chain_tracker.keep_block_map(chain.blend is not None)
             chain.tracker = chain_tracker
         return True
 
