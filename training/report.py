@@ -242,7 +242,7 @@ def run_comparison(
             report.training[name] = {"seconds": time.perf_counter() - t0}
             report.training[name]["model_size_bytes"] = _saved_size_bytes(trained[name])
             info = getattr(trained[name], "training_info", {})
-            for key in ("horizon", "chain_blend"):  # what training chose, and why
+            for key in ("horizon", "fit", "chain_blend"):  # what training chose, and why
                 if info.get(key):
                     say(info[key])
                     report.training[name][key] = info[key]

@@ -15,15 +15,21 @@ import pytest
 
 from features.decoders import decode_mooncake
 from features.generator import generate, params_for
+from predictor.registry import make_policy
 from training.dataset import build_dataset
 from training.replay import split_events
 from training.train import (
     DEFAULT_HORIZON_MS,
+    FIT_MARGIN,
     HORIZON_CANDIDATES_MS,
     HORIZON_MARGIN,
     TrainConfig,
     choose_horizon,
+    fit_learned,
     fit_policy_on_events,
+    holdout_capacities,
+    holdout_hit_ratios,
+    keep_better_fit,
     quick_model_params,
     train_and_evaluate,
 )
@@ -99,13 +105,70 @@ def test_a_candidate_must_clearly_beat_the_default_to_be_chosen(agent):
     train = rows.take(np.flatnonzero(rows.ts_ms <= cut), end_ts_ms=cut)
     valid = rows.take(np.flatnonzero(rows.ts_ms > cut))
     params = quick_model_params("lightgbm")
-    free, _, free_note = choose_horizon(
+    free, _, free_note, _ = choose_horizon(
         "lightgbm", train, valid, warm, holdout, model_params=params
     )
     figures = _figures(free_note)
     assert free == max(figures, key=figures.__getitem__)  # no default: the best wins
     # The default is kept unless beaten by the margin.
-    kept, _, kept_note = choose_horizon(
+    kept, _, kept_note, _ = choose_horizon(
         "lightgbm", train, valid, warm, holdout, model_params=params, default_ms=60_000
     )
     _check_choice(kept_note, kept, 60_000)
+
+
+def _agent_parts(agent):
+    warm, holdout = split_events(agent, 0.75)
+    cut = warm[-1].ts_ms
+    rows = build_dataset(agent, horizons_ms=(10_000,), snapshot_interval_ms=10_000)
+    train = rows.take(np.flatnonzero(rows.ts_ms <= cut), end_ts_ms=cut)
+    valid = rows.take(np.flatnonzero(rows.ts_ms > cut))
+    return warm, holdout, train, valid
+
+
+def test_a_full_fit_that_holds_out_worse_than_the_quick_one_is_not_kept(agent):
+    """The quick fit of the horizon choice against a "full" fit trained on shuffled
+    labels: the broken one ranks blocks at random, holds out worse, and is not kept."""
+    warm, holdout, train, valid = _agent_parts(agent)
+    params = quick_model_params("lightgbm")
+    choice = choose_horizon("lightgbm", train, valid, warm, holdout, model_params=params)
+    key = "reused_within_10000ms"
+    broken_rows = train.take(np.arange(train.num_rows))
+    broken_rows.labels[key] = np.random.default_rng(0).permutation(train.labels[key])
+    broken = fit_learned("lightgbm", broken_rows, valid, horizon_ms=10_000, model_params=params)
+    blocks = holdout_capacities(holdout, (0.01, 0.05, 0.1))
+    figures = holdout_hit_ratios(broken.fresh_copy(), warm, holdout, blocks)
+    assert np.mean(choice.hit_ratios) > np.mean(figures) * (1 + FIT_MARGIN)  # the planted gap
+    kept, note = keep_better_fit(figures, broken, choice.hit_ratios, choice.policy)
+    assert kept is choice.policy and note.startswith("quick fit kept")
+    assert f"{np.mean(figures):.4f} full, {np.mean(choice.hit_ratios):.4f} quick" in note
+    assert kept.training_info["fit"] == note and "fit" not in broken.training_info
+
+
+@pytest.mark.parametrize(
+    ("full", "quick", "kept"),
+    [
+        ((0.10, 0.20, 0.30), (0.10, 0.20, 0.30), "full"),  # a tie keeps the full fit
+        ((0.10, 0.20, 0.30), (0.10, 0.20, 0.30 + 0.017), "full"),  # +2.8% of the mean: under
+        ((0.10, 0.20, 0.30), (0.10, 0.20, 0.30 + 0.019), "quick"),  # +3.2%: over the margin
+        ((0.10, 0.20, 0.30), (0.05, 0.10, 0.15), "full"),
+    ],
+)
+def test_the_full_fit_is_kept_unless_the_quick_one_beats_it_by_the_margin(full, quick, kept):
+    policies = {"full": make_policy("lightgbm"), "quick": make_policy("lightgbm")}
+    chosen, note = keep_better_fit(list(full), policies["full"], list(quick), policies["quick"])
+    assert chosen is policies[kept] and note.startswith(f"{kept} fit kept")
+    assert f"{np.mean(full):.4f} full, {np.mean(quick):.4f} quick" in note
+
+
+def test_the_replays_full_training_says_which_fit_it_kept_and_why(agent):
+    policy = fit_policy_on_events("lightgbm", agent, horizon_ms=None, quick=False)
+    note = policy.training_info["fit"]
+    full, quick = (float(v) for v in re.findall(r"(0\.\d+) (?:full|quick)", note))
+    if quick > full * (1 + FIT_MARGIN):
+        assert note.startswith("quick fit kept")
+        assert policy.params.num_boost_round == quick_model_params("lightgbm")["num_boost_round"]
+    else:
+        assert note.startswith("full fit kept")
+        assert policy.params.num_boost_round > quick_model_params("lightgbm")["num_boost_round"]
+    assert policy.training_info["horizon"].startswith("horizon: ")
