@@ -384,8 +384,8 @@ def plot_tiered(
     default=True,
     show_default=True,
     help="Fit learned policies as kvwarm replay does (full: its snapshot rows and the "
-    "default model settings) or quickly (40 trees of 15 leaves: about half the time, and "
-    "it beats the best peer on fewer workloads).",
+    "default model settings), what the suite is meant to measure, or quickly (40 trees of "
+    "15 leaves: about half the time).",
 )
 @click.option(
     "--tiered",

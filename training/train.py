@@ -919,7 +919,9 @@ def fit_policy_on_events(
     replay stretched ``events``' time, recorded in the model's time base.
     ``horizon_ms`` None chooses it (``choose_horizon`` among ``HORIZON_CANDIDATES_MS``
     stretched by ``time_scale``, with quick fits; a full fit is then made at the chosen
-    one), and ``training_info["horizon"]`` says how."""
+    one), and ``training_info["horizon"]`` says how; a full fit is then kept only if the
+    chosen quick fit, finished the same way, does not beat it on the held-out requests
+    (``keep_better_fit``; ``training_info["fit"]`` says which)."""
     if len(events) < 3:
         raise TrainingError(f"need at least 3 requests, got {len(events)}")
     # Eviction asks about idle residents at any time since their last access, so the
