@@ -107,7 +107,7 @@ def replay_bench(
         else:
             policy = make_policy(policy_name)
         if score_max_age_ms is not None and isinstance(policy, LearnedPolicy):
-            policy.params = policy.params.model_copy(update={"score_max_age_ms": score_max_age_ms})
+            policy.set_score_max_age(score_max_age_ms)
         policy.observe_many(train)
         # Copies made before the clock starts: copying a warm state is not replay work.
         runs = [copy.deepcopy(policy) for _ in range(2 if policy_name == "lightgbm" else 1)]

@@ -262,6 +262,11 @@ class LearnedPolicy(Policy):
             chain.tracker = chain_tracker
         return True
 
+    def set_score_max_age(self, max_age_ms: int) -> None:
+        """Reuse stored scores (and chain predictions) for at most ``max_age_ms``
+        (``LearnedParams.score_max_age_ms``; 0: recompute every score)."""
+        self.params = self.params.model_copy(update={"score_max_age_ms": max_age_ms})
+
     def fresh_copy(self) -> LearnedPolicy:
         """Same params and model, empty online state (what ``load`` would give)."""
         clone = type(self)(self.params, self.feature_params)

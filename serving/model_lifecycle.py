@@ -315,9 +315,7 @@ class ModelManager:
         if policy.needs_future:
             raise PolicyError(f"policy {policy.name!r} needs future knowledge; serving refuses it")
         if self.score_max_age_ms is not None and isinstance(policy, LearnedPolicy):
-            policy.params = policy.params.model_copy(
-                update={"score_max_age_ms": self.score_max_age_ms}
-            )
+            policy.set_score_max_age(self.score_max_age_ms)
         check_time_base(policy)
         probe_policy(policy, self.probe_timeout_s, where=self.spec)
         return policy, version

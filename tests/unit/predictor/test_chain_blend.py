@@ -84,7 +84,7 @@ def test_a_blending_policy_scores_the_blend_of_both_models(trained, max_age_ms):
     model, train, test = trained
     plain = _with_blend(model, None)
     blended = _with_blend(model, BLEND)
-    blended.params = blended.params.model_copy(update={"score_max_age_ms": max_age_ms})
+    blended.set_score_max_age(max_age_ms)
     for policy in (plain, blended):
         policy.observe_many(train)
     assert blended.chain.tracker.latest_leaf and not plain.chain.tracker.latest_leaf

@@ -13,8 +13,18 @@ from predictor.learned import LearnedPolicy
 
 
 def _with_max_age(policy: LearnedPolicy, max_age_ms: int) -> LearnedPolicy:
-    policy.params = policy.params.model_copy(update={"score_max_age_ms": max_age_ms})
+    policy.set_score_max_age(max_age_ms)
     return policy
+
+
+def _warmed(
+    policy: LearnedPolicy, events, num_events: int, max_age_ms: int
+) -> tuple[LearnedPolicy, np.ndarray, int]:
+    """``policy`` with the refresh rule, after the first ``num_events`` events: (it,
+    the hashes it tracks, the time of the last event)."""
+    policy = _with_max_age(policy, max_age_ms)
+    policy.observe_many(events[:num_events])
+    return policy, policy.state.tracked_hashes(), events[num_events - 1].ts_ms
 
 
 def _fresh(policy: LearnedPolicy, hashes: np.ndarray, now_ms: int) -> np.ndarray:
@@ -24,10 +34,8 @@ def _fresh(policy: LearnedPolicy, hashes: np.ndarray, now_ms: int) -> np.ndarray
 def test_stored_scores_equal_fresh_scores_within_the_refresh_rule(
     ready_policy, contract_events
 ) -> None:
-    policy = _with_max_age(ready_policy("lightgbm"), 10_000)
-    policy.observe_many(contract_events[:300])
-    hashes = policy.state.tracked_hashes()
-    t = contract_events[299].ts_ms + 1_000
+    policy, hashes, last_ms = _warmed(ready_policy("lightgbm"), contract_events, 300, 10_000)
+    t = last_ms + 1_000
     first = policy.score(hashes, t)
     np.testing.assert_array_equal(first, _fresh(policy, hashes, t))
     # Stored now: the same call later within the age returns exactly the stored value.
@@ -52,10 +60,7 @@ def test_stored_scores_equal_fresh_scores_within_the_refresh_rule(
 
 
 def test_max_age_zero_always_recomputes(ready_policy, contract_events) -> None:
-    policy = _with_max_age(ready_policy("lightgbm"), 0)
-    policy.observe_many(contract_events[:200])
-    hashes = policy.state.tracked_hashes()
-    t = contract_events[199].ts_ms
+    policy, hashes, t = _warmed(ready_policy("lightgbm"), contract_events, 200, 0)
     policy.score(hashes, t)
     later = t + 60_000
     np.testing.assert_array_equal(policy.score(hashes, later), _fresh(policy, hashes, later))
@@ -77,10 +82,8 @@ def test_lstm_scores_do_not_depend_on_the_batch_they_are_padded_into(
 def test_a_policy_adopting_the_state_does_not_read_the_outgoing_models_scores(
     ready_policy, contract_events
 ) -> None:
-    outgoing = _with_max_age(ready_policy("lightgbm"), 10_000)
-    outgoing.observe_many(contract_events[:200])
-    hashes = outgoing.state.tracked_hashes()
-    t = contract_events[199].ts_ms + 1
+    outgoing, hashes, last_ms = _warmed(ready_policy("lightgbm"), contract_events, 200, 10_000)
+    t = last_ms + 1
     outgoing.score(hashes, t)  # stored in the shared state
     incoming = _with_max_age(outgoing.fresh_copy(), 10_000)
     rows: list[int] = []
