@@ -101,6 +101,11 @@ class Policy(abc.ABC):
     """True when ``score`` is a calibrated probability of reuse within the horizon
     (learned policies); baselines return ranks only."""
 
+    ranks_by_recency: bool = False
+    """True when ``score`` ranks blocks by the recency of their last access alone (LRU):
+    the planner may then evict the least recently touched residents exactly instead of
+    sampling (``serving.planner``). A wrapper (the guard) answers for what it serves now."""
+
     def __init__(self, params: PolicyParams | None = None) -> None:
         if params is None:
             params = self.Params()

@@ -163,6 +163,7 @@ class LRUPolicy(_TablePolicy):
 
     name = "lru"
     Params = BaselineParams
+    ranks_by_recency = True
 
     def score(self, block_hashes: np.ndarray, now_ms: int) -> np.ndarray:
         table = self._table

@@ -14,7 +14,8 @@ candidate, chosen by id, so a sampled block is sampled every time it recurs). Ea
 candidate has a ghost cache of ``rate x capacity_blocks`` entries that sees only the
 sampled accesses; it evicts as the planner does (``eviction_sample`` residents and the
 blocks just stored are scored together by the candidate, the lowest go; a just-stored
-block that loses is not kept: admission). The candidates themselves observe every
+block that loses is not kept: admission), except a candidate that ranks by recency
+(LRU), whose ghost evicts the least recently read exactly, as the planner serves it. The candidates themselves observe every
 event, so their scores are the real ones. Hits and accesses are exponentially
 decayed (half-life ``half_life_accesses`` sampled accesses) so the estimate follows
 the workload as it changes.
@@ -41,6 +42,7 @@ Primitives:
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -135,6 +137,9 @@ class _Ghost:
         self.pending = 0
         """Requests that pushed the ghost over capacity since its last eviction."""
 
+    def __len__(self) -> int:
+        return len(self.members)
+
     def _remove(self, block: int) -> None:
         i = self.slot.pop(block)
         last = self.members.pop()
@@ -174,15 +179,55 @@ class _Ghost:
         return hits
 
 
+class _RecencyGhost:
+    """The ghost of a candidate that ranks by recency (LRU): exact, as the planner
+    serves it (``serving.planner``, exact recency). Its sampled blocks in the order
+    they were last read; the oldest go, no scoring call needed. Same interface as
+    ``_Ghost``."""
+
+    def __init__(self, capacity_blocks: int) -> None:
+        self.capacity_blocks = capacity_blocks
+        self.order: OrderedDict[int, None] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self.order)
+
+    def access(self, blocks: list[int], policy: Policy, now_ms: int, eviction_sample: int) -> int:
+        """Serve one request's sampled ``blocks`` (distinct); returns the hits."""
+        order = self.order
+        hits = 0
+        for block in blocks:
+            if block in order:
+                hits += 1
+                order.move_to_end(block)
+            else:
+                order[block] = None
+        for _ in range(len(order) - self.capacity_blocks):
+            order.popitem(last=False)
+        return hits
+
+
 class _Scale:
     """Every candidate's ghost cache for one cache size, and their decayed hits."""
 
-    def __init__(self, capacity_blocks: int, ghost_blocks: int, names: Sequence[str], seed: int):
+    def __init__(
+        self,
+        capacity_blocks: int,
+        ghost_blocks: int,
+        names: Sequence[str],
+        seed: int,
+        by_recency: Mapping[str, bool],
+    ):
         ghost_capacity = min(capacity_blocks, ghost_blocks)
         self.capacity_blocks = capacity_blocks
         self.rate = ghost_capacity / capacity_blocks
         self._threshold = int(self.rate * (1 << _SAMPLE_BITS))
-        self.ghosts = {name: _Ghost(ghost_capacity, seed + i) for i, name in enumerate(names)}
+        self.ghosts: dict[str, _Ghost | _RecencyGhost] = {
+            name: _RecencyGhost(ghost_capacity)
+            if by_recency.get(name)
+            else _Ghost(ghost_capacity, seed + i)
+            for i, name in enumerate(names)
+        }
         self.hits = dict.fromkeys(names, 0.0)
         self.accesses = 0.0
 
@@ -247,12 +292,13 @@ class GuardedPolicy(Policy):
         self.candidates: dict[str, Policy] = dict(candidates)
         p = self.params
         names = list(self.candidates)
-        self.scales = {"fastest": _Scale(p.capacity_blocks, p.ghost_blocks, names, p.seed)}
+        recency = {name: c.ranks_by_recency for name, c in self.candidates.items()}
+        self.scales = {"fastest": _Scale(p.capacity_blocks, p.ghost_blocks, names, p.seed, recency)}
         """``fastest``: ghosts at ``capacity_blocks``; ``outer`` (when set): at
         ``outer_capacity_blocks``, with its own sample and seeds."""
         if (p.outer_capacity_blocks or 0) > p.capacity_blocks:
             self.scales["outer"] = _Scale(
-                p.outer_capacity_blocks or 0, p.ghost_blocks, names, p.seed + len(names)
+                p.outer_capacity_blocks or 0, p.ghost_blocks, names, p.seed + len(names), recency
             )
         self.num_sampled_accesses = 0
         self.num_requests = 0
@@ -267,7 +313,7 @@ class GuardedPolicy(Policy):
         return self.scales["fastest"].rate
 
     @property
-    def ghosts(self) -> dict[str, _Ghost]:
+    def ghosts(self) -> dict[str, _Ghost | _RecencyGhost]:
         """The fastest scale's ghost cache per candidate."""
         return self.scales["fastest"].ghosts
 
@@ -324,6 +370,12 @@ class GuardedPolicy(Policy):
         """``fastest``: the decayed ghost hit ratios at ``capacity_blocks``; ``outer``
         (when set): at ``outer_capacity_blocks``."""
         return {name: scale.estimates() for name, scale in self.scales.items()}
+
+    @property  # type: ignore[override]
+    def ranks_by_recency(self) -> bool:  # type: ignore[override]
+        """Whether the candidate serving now ranks by recency (LRU): the planner then
+        evicts exactly as LRU does, so falling back to LRU means exact LRU."""
+        return self.serving.ranks_by_recency
 
     def score(self, block_hashes: np.ndarray, now_ms: int) -> np.ndarray:
         return self.serving.score(as_hash_array(block_hashes), now_ms)

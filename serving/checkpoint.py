@@ -32,7 +32,7 @@ state: one per shard (``serving.shards``).
 
 from __future__ import annotations
 
-from collections import Counter, deque
+from collections import Counter, OrderedDict, deque
 from typing import Any
 
 import numpy as np
@@ -93,9 +93,10 @@ STATE_FIELDS: dict[str, tuple[str, ...]] = {
     ),
     "_Scale": ("ghosts", "hits", "accesses"),
     "_Ghost": ("slot", "members", "rng", "pending"),
+    "_RecencyGhost": ("order",),
     # serving
     "ScoringFallback": ("inner", "num_failures"),
-    "Placement": ("_tier", "_members", "_pos", "moved_at_ms"),
+    "Placement": ("_tier", "_members", "_pos", "_order", "moved_at_ms"),
     "Planner": ("rng",),
     "PrefetchGate": (
         "used_weight",
@@ -213,6 +214,17 @@ def _encode(value: Any, copy: bool = False) -> Any:
             if array is not None:
                 return {"~": "li", "v": array}
         return {"~": "l", "v": [_encode(v, copy) for v in value]}
+    if isinstance(value, OrderedDict):  # an order of keys (Placement.order): keep it
+        keys_only = all(v is None for v in value.values())
+        if keys_only and _all_ints(value.keys()):
+            array = _int_array(value.keys(), len(value))
+            if array is not None:
+                return {"~": "ok", "k": array}
+        return {
+            "~": "od",
+            "k": [_encode(k, copy) for k in value],
+            "v": [_encode(v, copy) for v in value.values()],
+        }
     if isinstance(value, dict):
         tag = "c" if isinstance(value, Counter) else "d"
         n = len(value)
@@ -263,6 +275,11 @@ def _decode(tree: Any, template: Any) -> Any:
         return dict(
             zip(np.asarray(tree["k"]).tolist(), np.asarray(tree["v"]).tolist(), strict=True)
         )
+    if tag == "ok":
+        return OrderedDict.fromkeys(np.asarray(tree["k"]).tolist())
+    if tag == "od":
+        keys = [_decode(k, None) for k in tree["k"]]
+        return OrderedDict(zip(keys, (_decode(v, None) for v in tree["v"]), strict=True))
     if tag in ("d", "c"):
         old = template if isinstance(template, dict) else {}
         keys = [_decode(k, None) for k in tree["k"]]

@@ -139,7 +139,9 @@ class Sidecar:
                 blocks = list(dict.fromkeys(event.block_hashes))
                 if self.prefetch_gate is not None:
                     self.prefetch_gate.on_request(blocks)
-                moves = self.planner.on_request(self.placement, blocks, self.score, now)
+                moves = self.planner.on_request(
+                    self.placement, blocks, self.score, now, self.policy.ranks_by_recency
+                )
                 self.recent.append(event.block_hashes)
                 self._emit(event, moves, now)
             else:
@@ -257,6 +259,7 @@ class Sidecar:
                 now_ms,
                 target,
                 self.prefetch_admit,
+                self.policy.ranks_by_recency,
             )
         return moves
 

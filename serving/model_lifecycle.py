@@ -521,6 +521,10 @@ class ScoringFallback(Policy):
         return self.active.outputs_probability
 
     @property  # type: ignore[override]
+    def ranks_by_recency(self) -> bool:  # type: ignore[override]
+        return self.active.ranks_by_recency
+
+    @property  # type: ignore[override]
     def time_base(self) -> dict[str, Any] | None:  # type: ignore[override]
         return self.active.time_base
 

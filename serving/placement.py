@@ -5,12 +5,20 @@ member list so that uniform sampling of a tier's residents is O(1) (the planner'
 eviction sample) and add/remove are O(1) (swap-remove). It is the executor's state in
 replay, and a mirror of the executor's index when serving.
 
-Invariant: a block is in at most one tier; ``count(t) == len(members of t)``.
+Each tier also keeps its residents in the order they were last touched (``order``:
+moved into the tier, or read by a request while in it, oldest first; an
+``OrderedDict``, O(1) per add, remove and touch). With it the planner evicts exactly
+the least recently used residents when the served policy ranks by recency (LRU, or
+the guard serving LRU), instead of the sampled approximation, which trails exact LRU.
+
+Invariant: a block is in at most one tier; ``count(t) == len(members of t) ==
+len(order(t))``.
 """
 
 from __future__ import annotations
 
 import itertools
+from collections import OrderedDict
 
 import numpy as np
 
@@ -26,6 +34,7 @@ class Placement:
         self._tier: dict[int, int] = {}
         self._members: list[list[int]] = [[] for _ in tier_names]
         self._pos: list[dict[int, int]] = [{} for _ in tier_names]
+        self._order: list[OrderedDict[int, None]] = [OrderedDict() for _ in tier_names]
         self.moved_at_ms: dict[int, int] = {}
 
     @property
@@ -52,6 +61,7 @@ class Placement:
         members = self._members[tier]
         self._pos[tier][block] = len(members)
         members.append(block)
+        self._order[tier][block] = None
         self._tier[block] = tier
         self.moved_at_ms[block] = now_ms
 
@@ -73,6 +83,7 @@ class Placement:
             for b in blocks:
                 self._pos[tier].pop(b, None)
             raise ValueError("add_many takes distinct blocks that are placed nowhere yet")
+        self._order[tier].update(dict.fromkeys(blocks))
         self.moved_at_ms.update(dict.fromkeys(blocks, now_ms))
 
     def remove_many(self, blocks: list[int], tier: int) -> None:
@@ -91,9 +102,10 @@ class Placement:
             raise ValueError(f"remove_many: some blocks are not in tier {self.tier_names[tier]}")
         members[:] = kept
         self._pos[tier] = dict(zip(kept, range(len(kept)), strict=True))
-        tier_of, moved = self._tier, self.moved_at_ms
+        tier_of, moved, order = self._tier, self.moved_at_ms, self._order[tier]
         for b in blocks:
             del tier_of[b]
+            del order[b]
             moved.pop(b, None)
 
     def remove(self, block: int) -> int:
@@ -102,6 +114,7 @@ class Placement:
         if tier == NOWHERE:
             return tier
         members, pos = self._members[tier], self._pos[tier]
+        del self._order[tier][block]
         i = pos.pop(block)
         last = members.pop()
         if last != block:
@@ -117,6 +130,26 @@ class Placement:
     def members(self, tier: int) -> list[int]:
         """The residents of ``tier`` (a live list: copy before mutating placement)."""
         return self._members[tier]
+
+    def order(self, tier: int) -> OrderedDict[int, None]:
+        """The residents of ``tier``, least recently touched first (a live view: the
+        planner moves a block read in place to the end with ``move_to_end``; copy
+        before mutating placement)."""
+        return self._order[tier]
+
+    def oldest(self, tier: int, k: int, exclude: set[int] | None = None) -> list[int]:
+        """The ``k`` least recently touched residents of ``tier`` not in ``exclude``
+        (fewer when the tier holds fewer). O(k + excluded ones met on the way)."""
+        out: list[int] = []
+        if k <= 0:
+            return out
+        for block in self._order[tier]:
+            if exclude and block in exclude:
+                continue
+            out.append(block)
+            if len(out) == k:
+                break
+        return out
 
     def sample(
         self, tier: int, k: int, rng: np.random.Generator, exclude: set[int] | None = None

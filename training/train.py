@@ -15,7 +15,10 @@
    the policy, it names the prefetch candidates; then the chain blend
    (``choose_chain_blend``): a logistic regression folding the chain model's return
    probabilities into the block scores, fitted on the validation rows and kept only
-   when a replay of the validation span hits more with it than without;
+   when a replay of the validation span hits more with it than without; with the
+   horizon chosen (the default) and no model params given, the fit choice
+   (``keep_better_fit``): the horizon choice's quick fit, finished the same way, is
+   kept instead only when it beats the full fit on that replay by ``FIT_MARGIN``;
 4. replay the whole trace through the model and every baseline
    (``training.evaluate``) and measure the test part.
 
@@ -505,6 +508,7 @@ def train_and_evaluate(
     split = next((i for i, e in enumerate(events) if e.ts_ms > test_cut), len(events))
     first_valid = next((i for i, e in enumerate(events) if e.ts_ms > valid_cut), split)
     horizon_note = None
+    horizon_choice: HorizonChoice | None = None
     if config.horizon_ms is None:
         # The given model params are checked before any quick fit: a bad one is said first.
         make_policy(config.model, {"horizon_ms": 1, **config.model_params})
@@ -555,23 +559,59 @@ def train_and_evaluate(
     )
     timings["chain_s"] = time.perf_counter() - t
     say(f"{chain_note} ({timings['chain_s']:.1f} s)")
-    if policy.chain is not None:
-        t = time.perf_counter()
-        blend_note = choose_chain_blend(
-            policy,
-            policy.chain,
+    warm, holdout = events[:first_valid], events[first_valid:split]
+
+    def blend_choice(
+        candidate: LearnedPolicy, chain: ChainPolicy, known: Sequence[float] | None = None
+    ) -> BlendChoice:
+        """``choose_chain_blend`` on the validation span, noted in ``candidate``."""
+        assert config.horizon_ms is not None
+        choice = choose_chain_blend(
+            candidate,
+            chain,
             events,
             parts["valid"],
             config.horizon_ms,
-            events[:first_valid],
-            events[first_valid:split],
+            warm,
+            holdout,
             capacities=config.gate_capacities,
             seed=config.seed,
-        ).note
-        policy.training_info["chain_blend"] = blend_note
-        chain_note = f"{chain_note}; {blend_note}"
+            without=known,
+        )
+        candidate.training_info["chain_blend"] = choice.note
+        return choice
+
+    full_chain_note = chain_note
+    full_ratios: list[float] = []
+    if policy.chain is not None:
+        t = time.perf_counter()
+        blend = blend_choice(policy, policy.chain)
+        full_ratios = blend.hit_ratios
+        chain_note = f"{full_chain_note}; {blend.note}"
         timings["chain_blend_s"] = time.perf_counter() - t
-        say(f"{blend_note} ({timings['chain_blend_s']:.1f} s)")
+        say(f"{blend.note} ({timings['chain_blend_s']:.1f} s)")
+    if horizon_choice is not None and not config.model_params and holdout:
+        # As the replay's training does (fit_policy_on_events): the full fit against
+        # the horizon choice's quick fit, both finished, on the same held-out requests.
+        t = time.perf_counter()
+        quick = horizon_choice.policy
+        quick_ratios = list(horizon_choice.hit_ratios)
+        if not full_ratios:
+            blocks = holdout_capacities(holdout, config.gate_capacities)
+            full_ratios = holdout_hit_ratios(policy.fresh_copy(), warm, holdout, blocks)
+        if policy.chain is not None:
+            quick_ratios = blend_choice(quick, policy.chain.fresh_copy(), quick_ratios).hit_ratios
+        kept, fit_note = keep_better_fit(
+            full_ratios, policy, quick_ratios, quick, config.gate_capacities
+        )
+        if kept is quick:
+            policy = quick
+            policy.training_info["horizon"] = horizon_note
+            warnings = degeneracy_warnings(policy, _labelled(parts["valid"], config.horizon_ms)[0])
+            if policy.chain is not None:
+                chain_note = f"{full_chain_note}; {policy.training_info['chain_blend']}"
+        timings["fit_choice_s"] = time.perf_counter() - t
+        say(f"{fit_note} ({timings['fit_choice_s']:.1f} s)")
     validation = None
     if config.gate:
         t = time.perf_counter()
@@ -690,6 +730,7 @@ def log_training_run(
         "training_warnings": " | ".join(result.warnings) or "none",
         "chain_model": result.chain_note or "none",
         "horizon_choice": policy.training_info.get("horizon", "given"),
+        "fit_choice": policy.training_info.get("fit", "none: the horizon or params were given"),
     }
     metrics: dict[str, float] = {}
     validation = result.validation

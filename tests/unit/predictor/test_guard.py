@@ -161,7 +161,7 @@ def test_guard_memory_is_bounded_and_status_is_reported():
     )
     guard.observe_many(events)
     # Ghosts under 64 blocks evict on every request (no slack).
-    assert all(len(g.members) <= 64 for g in guard.ghosts.values())
+    assert all(len(g) <= 64 for g in guard.ghosts.values())
     assert 0 < guard.rate < 0.001 + 64 / 100_000
     status = guard.online_status()["guard"]
     assert status["chosen"] in ("lru", "lfu")

@@ -64,7 +64,7 @@ def test_the_sidecar_skips_rounds_while_the_gate_is_closed(small_trace):
 
     def run(min_precision):
         sidecar = Sidecar(
-            make_policy("lru"),
+            make_policy("lfu"),  # LRU has nothing to prefetch: exact recency eviction
             Planner(),
             Placement(["hbm", "dram", "nvme"], [32, 128, 4096]),
             prefetch_interval_ms=100,

@@ -66,6 +66,9 @@ def test_sidecar_with_the_real_executor_applies_decisions_within_capacity(small_
         http_enabled=False,
         model_poll_interval_s=0,
         planner={"min_residency_ms": 5_000},
+        # LFU: under LRU (evicted exactly by recency) the fast tiers already hold the
+        # most recent blocks and a prefetch round finds nothing to promote.
+        model="lfu",
     )
     service = Service(settings)
     executor = service.executor

@@ -172,3 +172,30 @@ def test_the_replays_full_training_says_which_fit_it_kept_and_why(agent):
         assert note.startswith("full fit kept")
         assert policy.params.num_boost_round > quick_model_params("lightgbm")["num_boost_round"]
     assert policy.training_info["horizon"].startswith("horizon: ")
+
+
+def test_train_makes_the_fit_choice_as_the_replay_does_and_says_so(agent):
+    lines: list[str] = []
+    config = TrainConfig(horizon_ms=None, gate=False, baselines=("lru",))
+    result = train_and_evaluate(agent, config, echo=lines.append)
+    note = result.policy.training_info["fit"]
+    assert any(line.startswith(note) for line in lines)
+    full, quick = (float(v) for v in re.findall(r"(0\.\d+) (?:full|quick)", note))
+    quick_trees = quick_model_params("lightgbm")["num_boost_round"]
+    if quick > full * (1 + FIT_MARGIN):
+        assert note.startswith("quick fit kept")
+        assert result.policy.params.num_boost_round == quick_trees
+    else:
+        assert note.startswith("full fit kept")
+        assert result.policy.params.num_boost_round > quick_trees
+    # The kept policy is the one evaluated and registered: its horizon note goes with it.
+    assert result.policy.training_info["horizon"].startswith("horizon: ")
+
+
+def test_train_with_model_params_given_trains_what_was_asked(agent):
+    config = TrainConfig(
+        horizon_ms=None, gate=False, baselines=("lru",), model_params={"num_boost_round": 25}
+    )
+    result = train_and_evaluate(agent, config)
+    assert "fit" not in result.policy.training_info
+    assert result.policy.params.num_boost_round == 25
