@@ -2,7 +2,7 @@
 
 A learned model that wins on one workload can lose to LRU on another, and nobody knows
 in advance which case they are in. ``GuardedPolicy`` wraps the model together with
-simple heuristics (LRU, LFU) and keeps, in bounded memory, an estimate of the hit
+simple heuristics (LRU, LFU, LRU-2) and keeps, in bounded memory, an estimate of the hit
 ratio each candidate would reach on the live stream; ``score`` delegates to the
 candidate with the best estimate, switching only when another one is clearly better
 for a while (hysteresis). Adaptive caches (ARC, LeCaR, Cacheus) survive every workload
@@ -407,11 +407,19 @@ class GuardedPolicy(Policy):
         )
 
 
-def guard_candidates(model: Policy) -> dict[str, Policy]:
-    """The default candidates around ``model``: the model, LRU and LFU (fresh)."""
-    from predictor.baselines import LFUPolicy, LRUPolicy
+GUARD_HEURISTICS = ("lru", "lfu", "lru2")
+"""The heuristics a guard runs beside a learned model (registry names). LRU is the
+safe default and the reference; LFU wins where popularity is stable; LRU-2 where reads
+repeat at a steady distance behind one-off ones (agent tool loops, chat turns), where
+it beat LIRS, the best libCacheSim peer there, and the model did not."""
 
-    return {model.name: model, "lru": LRUPolicy(), "lfu": LFUPolicy()}
+
+def guard_candidates(model: Policy) -> dict[str, Policy]:
+    """The default candidates around ``model``: the model and ``GUARD_HEURISTICS``
+    (fresh)."""
+    from predictor.registry import make_policy
+
+    return {model.name: model, **{name: make_policy(name) for name in GUARD_HEURISTICS}}
 
 
 def memory_capacity_blocks(

@@ -17,6 +17,7 @@ from predictor.base import Policy, PolicyParams, UnknownPolicyError, read_manife
 POLICIES: dict[str, str] = {
     "lru": "predictor.baselines:LRUPolicy",
     "lfu": "predictor.baselines:LFUPolicy",
+    "lru2": "predictor.baselines:LRU2Policy",
     "prefix_lru": "predictor.baselines:PrefixLRUPolicy",
     "lightgbm": "predictor.lightgbm_policy:LightGBMPolicy",
     "lstm": "predictor.lstm_policy:LSTMPolicy",

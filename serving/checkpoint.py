@@ -42,6 +42,7 @@ STATE_FIELDS: dict[str, tuple[str, ...]] = {
     "_BlockTable": (
         "slot_of",
         "last_access",
+        "prev_access",
         "last_request",
         "count",
         "depth",

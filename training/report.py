@@ -157,11 +157,11 @@ def _guarded(
     """``name`` behind the online guard for a fast tier of ``capacity_blocks``: the
     candidates observe the training part batched up to its last
     ``GUARD_WARMUP_REQUESTS`` requests, the guard (ghosts included) the rest."""
-    from predictor.guard import GuardedPolicy, GuardParams
+    from predictor.guard import GUARD_HEURISTICS, GuardedPolicy, GuardParams
 
     cut = max(0, len(train) - GUARD_WARMUP_REQUESTS)
     head, tail = train[:cut], train[cut:]
-    candidates = {n: _fresh(n, trained, future, warm_head, head) for n in (name, "lru", "lfu")}
+    candidates = {n: _fresh(n, trained, future, warm_head, head) for n in (name, *GUARD_HEURISTICS)}
     guard = GuardedPolicy(
         GuardParams(capacity_blocks=capacity_blocks, outer_capacity_blocks=outer_capacity_blocks),
         candidates,

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from features.events import BlocksAccessed
-from predictor.baselines import LFUPolicy, LRUPolicy
+from predictor.baselines import LFUPolicy, LRU2Policy, LRUPolicy
 from predictor.guard import GuardedPolicy, GuardParams, guarded
 from training.replay import distinct_blocks, replay_single_tier, split_events, spread_ties
 
@@ -183,7 +183,7 @@ def test_guard_refuses_bad_configuration():
 def test_default_candidates_are_the_model_lru_and_lfu(planted_model):
     model, _, _ = planted_model
     guard = guarded(model.fresh_copy(), 1_000)
-    assert list(guard.candidates) == ["lightgbm", "lru", "lfu"]
+    assert list(guard.candidates) == ["lightgbm", "lru", "lfu", "lru2"]
     assert guard.chosen == "lru"
 
 
@@ -223,3 +223,49 @@ def test_an_outer_scale_decides_where_the_fastest_tier_cannot_tell_them_apart():
         (scales["fastest"]["lru"] + scales["outer"]["lru"]) / 2
     )
     assert both.online_status()["guard"]["outer_capacity_blocks"] == 160
+
+
+def repeat_behind_scans_events(num_requests: int = 3_000, seed: int = 7) -> list[BlocksAccessed]:
+    """Where LRU-2 wins: every other request a one-off scan of 24 new blocks; between
+    them, one of 40 chains of 6 blocks, read in turn. The hot set moves half-way (a new
+    set of chains), so frequency counts of the first one go stale. A chain returns
+    after ~1,200 blocks: past any cache under that size for LRU, while LRU-2 keeps
+    twice-read chain blocks above once-read scan blocks, and LFU keeps the old set."""
+    rng = np.random.default_rng(seed)
+    events: list[BlocksAccessed] = []
+    next_block = 1
+    chains = [tuple(range(1 + 6 * i, 7 + 6 * i)) for i in range(80)]
+    next_block = 1 + 6 * 80
+    for i in range(num_requests):
+        if i % 2:
+            blocks = tuple(range(next_block, next_block + 24))
+            next_block += 24
+        else:
+            base = 0 if i < num_requests // 2 else 40
+            blocks = chains[base + (i // 2) % 40]
+        if rng.random() < 0.02:  # a little noise in the order
+            blocks = blocks[::-1]
+        events.append(
+            BlocksAccessed(
+                ts_ms=1_000 * i, request_id=str(i), block_hashes=blocks, block_size_tokens=16
+            )
+        )
+    return events
+
+
+def test_guard_moves_to_lru2_where_reads_repeat_behind_scans():
+    events = repeat_behind_scans_events()
+    capacity = 300
+
+    def candidates():
+        return {"lru": LRUPolicy(), "lfu": LFUPolicy(), "lru2": LRU2Policy()}
+
+    ratios = {
+        name: replay_single_tier(policy, events, capacity).hit_ratio
+        for name, policy in candidates().items()
+    }
+    assert ratios["lru2"] > max(ratios["lru"], ratios["lfu"]) + 0.05, ratios
+    guard = GuardedPolicy(GuardParams(capacity_blocks=capacity), candidates())
+    served = replay_single_tier(guard, events, capacity).hit_ratio
+    assert guard.chosen == "lru2", guard.estimates()
+    assert served >= ratios["lru2"] - 0.05, (served, ratios)

@@ -19,7 +19,15 @@ from predictor import (
 
 
 def test_registered_names():
-    assert available_policies() == ["lfu", "lightgbm", "lru", "lstm", "oracle", "prefix_lru"]
+    assert available_policies() == [
+        "lfu",
+        "lightgbm",
+        "lru",
+        "lru2",
+        "lstm",
+        "oracle",
+        "prefix_lru",
+    ]
 
 
 def test_unknown_name_lists_valid_ones():

@@ -307,8 +307,8 @@ def test_a_learned_model_is_served_behind_the_guard_visible_in_health_and_metric
         assert guard.params.capacity_blocks == 500
         assert guard.params.outer_capacity_blocks == 500 + 4_000  # HBM and DRAM
         health = service.health()["guard"]
-        assert health["chosen"] in ("lightgbm", "lru", "lfu")
-        assert set(health["estimated_hit_ratio"]) == {"lightgbm", "lru", "lfu"}
+        assert health["chosen"] in ("lightgbm", "lru", "lfu", "lru2")
+        assert set(health["estimated_hit_ratio"]) == {"lightgbm", "lru", "lfu", "lru2"}
         assert health["sampled_accesses"] > 0
         gate = service.health()["prefetch_gate"]
         assert gate["rounds"] > 0 and gate["used"] + gate["wasted"] > 0
