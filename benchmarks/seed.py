@@ -241,7 +241,7 @@ def run_r2(
     train_s, test_s = events[: len(train)], events[len(train) :]
     say(f"concurrency {concurrency}: time scale {scale:.3f}; training {learned}")
     model = fit_policy_on_events(learned, train_s, quick=True, horizon_ms=int(60_000 * scale))
-    # As ``serve`` serves it: behind the online guard (model / LRU / LFU ghosts).
+    # As ``serve`` serves it: behind the online guard (model / LRU / LFU / LRU-2 ghosts).
     served = guarded(model, _hbm_blocks(profile))
     served.observe_many(train_s)
     future = FutureAccesses.from_events(events)

@@ -1,4 +1,4 @@
-"""The reference policies every learned one is compared with: LRU, LFU, prefix LRU.
+"""The reference policies every learned one is compared with: LRU, LFU, LRU-2, prefix LRU.
 
 They keep a small exact state of their own (a hash -> slot dict over flat numpy
 arrays), use logical clocks rather than timestamps so ties are broken exactly, and
@@ -142,7 +142,7 @@ class _TrackingParams(PolicyParams):
 
 
 class BaselineParams(_TrackingParams):
-    """LRU and LFU: only the cap on tracked blocks."""
+    """LRU, LFU and LRU-2: only the cap on tracked blocks."""
 
 
 class PrefixLRUParams(_TrackingParams):

@@ -211,7 +211,7 @@ class SidecarSettings(BaseSettings):
     )
     model: str = Field(
         "lru",
-        description="The scoring policy: a baseline name (lru, lfu, prefix_lru), a saved "
+        description="The scoring policy: a baseline name (lru, lfu, lru2, prefix_lru), a saved "
         "policy directory or a file in one, or an MLflow URI (models:/NAME@ALIAS). A model "
         "that fails to load, or whose feature version differs, is replaced by LRU and "
         "/healthz reports degraded.",
@@ -312,7 +312,7 @@ class SidecarSettings(BaseSettings):
     guard: bool = Field(
         True,
         description="Serve a learned model behind the online guard: ghost caches estimate "
-        "what the model, LRU and LFU would hit on the live stream and the best one scores "
+        "what the model, LRU, LFU and LRU-2 would hit on the live stream and the best one scores "
         "(predictor.guard). Baselines are served as they are.",
     )
     prefetch_interval_ms: int = Field(

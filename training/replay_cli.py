@@ -258,7 +258,7 @@ _common = [
         default=True,
         show_default=True,
         help="Serve learned policies behind the online guard (ghost caches of the model, "
-        "LRU and LFU; the best one serves), as kvwarm serve does.",
+        "LRU, LFU and LRU-2; the best one serves), as kvwarm serve does.",
     ),
     click.option(
         "--out",
