@@ -61,7 +61,7 @@ BASELINES = ("lru", "lfu", "prefix_lru", "oracle")
 Echo = Callable[[str], None]
 
 GATE_CAPACITIES = (0.01, 0.05, 0.1)
-GATE_HEURISTICS = ("lru", "lfu", "prefix_lru")
+GATE_HEURISTICS = ("lru", "lfu", "lru2", "prefix_lru")
 GATE_TOLERANCE = 0.005
 """A promoted model may trail LRU by at most this hit ratio at any gate capacity."""
 MIN_TREES = 10
