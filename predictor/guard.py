@@ -15,10 +15,10 @@ candidate has a ghost cache of ``rate x capacity_blocks`` entries that sees only
 sampled accesses; it evicts as the planner does (``eviction_sample`` residents and the
 blocks just stored are scored together by the candidate, the lowest go; a just-stored
 block that loses is not kept: admission), except a candidate that ranks by recency
-(LRU), whose ghost evicts the least recently read exactly, as the planner serves it. The candidates themselves observe every
-event, so their scores are the real ones. Hits and accesses are exponentially
-decayed (half-life ``half_life_accesses`` sampled accesses) so the estimate follows
-the workload as it changes.
+(LRU), whose ghost evicts the least recently read exactly, as the planner serves it.
+The candidates themselves observe every event, so their scores are the real ones.
+Hits and accesses are exponentially decayed (half-life ``half_life_accesses`` sampled
+accesses) so the estimate follows the workload as it changes.
 
 Ghosts evict in batches (``_Ghost``): the candidates are called once per ~32 stored
 sampled blocks, not once per request, with as many residents scored as per-request
