@@ -57,6 +57,8 @@ def test_run_has_params_metrics_and_plots(tracked):
     assert params["feature_version"] == str(FEATURE_VERSION)
     assert params["trace_sha256"] == sha256_of(trace)
     assert params["config.horizon_ms"] == "10000"
+    # A given horizon and params: no fit choice was made, and the run says so.
+    assert params["fit_choice"] == "none: the horizon or params were given"
     assert params["model.num_leaves"] == "15"
     for key in ("roc_auc", "pr_auc", "log_loss", "precision_at_1pct", "recall_at_10pct"):
         assert key in metrics, key
