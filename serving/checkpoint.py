@@ -215,17 +215,11 @@ def _encode(value: Any, copy: bool = False) -> Any:
             if array is not None:
                 return {"~": "li", "v": array}
         return {"~": "l", "v": [_encode(v, copy) for v in value]}
-    if isinstance(value, OrderedDict):  # an order of keys (Placement.order): keep it
-        keys_only = all(v is None for v in value.values())
-        if keys_only and _all_ints(value.keys()):
-            array = _int_array(value.keys(), len(value))
-            if array is not None:
-                return {"~": "ok", "k": array}
-        return {
-            "~": "od",
-            "k": [_encode(k, copy) for k in value],
-            "v": [_encode(v, copy) for v in value.values()],
-        }
+    if isinstance(value, OrderedDict):  # an order of int keys (Placement.order): keep it
+        array = _int_array(value.keys(), len(value)) if _all_ints(value.keys()) else None
+        if array is None or any(v is not None for v in value.values()):
+            raise NotCheckpointableError("only an OrderedDict of int keys to None is checkpointed")
+        return {"~": "ok", "k": array}
     if isinstance(value, dict):
         tag = "c" if isinstance(value, Counter) else "d"
         n = len(value)
@@ -278,9 +272,6 @@ def _decode(tree: Any, template: Any) -> Any:
         )
     if tag == "ok":
         return OrderedDict.fromkeys(np.asarray(tree["k"]).tolist())
-    if tag == "od":
-        keys = [_decode(k, None) for k in tree["k"]]
-        return OrderedDict(zip(keys, (_decode(v, None) for v in tree["v"]), strict=True))
     if tag in ("d", "c"):
         old = template if isinstance(template, dict) else {}
         keys = [_decode(k, None) for k in tree["k"]]

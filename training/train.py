@@ -366,6 +366,47 @@ def choose_chain_blend(
     return BlendChoice(f"chain blend: kept, {figures}", with_blend)
 
 
+def finish_fit(
+    candidate: LearnedPolicy,
+    chain: ChainPolicy | None,
+    events: Sequence[BlocksAccessed],
+    rows: Dataset,
+    horizon_ms: int,
+    warm: Sequence[BlocksAccessed],
+    holdout: Sequence[BlocksAccessed],
+    *,
+    capacities: Sequence[float] = GATE_CAPACITIES,
+    seed: int = 0,
+    known: Sequence[float] | None = None,
+    need_ratios: bool = False,
+) -> list[float]:
+    """Give ``candidate`` the chain model and its blend choice (``choose_chain_blend``,
+    noted in ``training_info["chain_blend"]``) and return its held-out hit ratios as
+    finished: the blend choice's, else ``known`` (measured without a blend), else
+    replayed when ``need_ratios`` (the fit choice compares them), else none."""
+    candidate.chain = chain
+    ratios = list(known or [])
+    if chain is not None:
+        blend = choose_chain_blend(
+            candidate,
+            chain,
+            events,
+            rows,
+            horizon_ms,
+            warm,
+            holdout,
+            capacities=capacities,
+            seed=seed,
+            without=known,
+        )
+        candidate.training_info["chain_blend"] = blend.note
+        ratios = blend.hit_ratios
+    if need_ratios and not ratios:
+        blocks = holdout_capacities(holdout, capacities)
+        ratios = holdout_hit_ratios(candidate.fresh_copy(), warm, holdout, blocks)
+    return ratios
+
+
 def degeneracy_warnings(policy: LearnedPolicy, x_valid: np.ndarray) -> list[str]:
     """What says a fitted model learned (next to) nothing: early stopping after a handful
     of trees, or the same score for every validation row."""
@@ -560,47 +601,45 @@ def train_and_evaluate(
     timings["chain_s"] = time.perf_counter() - t
     say(f"{chain_note} ({timings['chain_s']:.1f} s)")
     warm, holdout = events[:first_valid], events[first_valid:split]
+    horizon_ms = config.horizon_ms
+    compare = horizon_choice is not None and not config.model_params and bool(holdout)
 
-    def blend_choice(
-        candidate: LearnedPolicy, chain: ChainPolicy, known: Sequence[float] | None = None
-    ) -> BlendChoice:
-        """``choose_chain_blend`` on the validation span, noted in ``candidate``."""
-        assert config.horizon_ms is not None
-        choice = choose_chain_blend(
+    def finish(
+        candidate: LearnedPolicy, chain: ChainPolicy | None, known: Sequence[float] | None
+    ) -> list[float]:
+        return finish_fit(
             candidate,
             chain,
             events,
             parts["valid"],
-            config.horizon_ms,
+            horizon_ms,
             warm,
             holdout,
             capacities=config.gate_capacities,
             seed=config.seed,
-            without=known,
+            known=known,
+            need_ratios=compare,
         )
-        candidate.training_info["chain_blend"] = choice.note
-        return choice
 
     full_chain_note = chain_note
-    full_ratios: list[float] = []
+    t = time.perf_counter()
+    full_ratios = finish(policy, policy.chain, None)
     if policy.chain is not None:
-        t = time.perf_counter()
-        blend = blend_choice(policy, policy.chain)
-        full_ratios = blend.hit_ratios
-        chain_note = f"{full_chain_note}; {blend.note}"
+        blend_note = policy.training_info["chain_blend"]
+        chain_note = f"{full_chain_note}; {blend_note}"
         timings["chain_blend_s"] = time.perf_counter() - t
-        say(f"{blend.note} ({timings['chain_blend_s']:.1f} s)")
-    if horizon_choice is not None and not config.model_params and holdout:
+        say(f"{blend_note} ({timings['chain_blend_s']:.1f} s)")
+    if compare:
         # As the replay's training does (fit_policy_on_events): the full fit against
         # the horizon choice's quick fit, both finished, on the same held-out requests.
+        assert horizon_choice is not None
         t = time.perf_counter()
         quick = horizon_choice.policy
-        quick_ratios = list(horizon_choice.hit_ratios)
-        if not full_ratios:
-            blocks = holdout_capacities(holdout, config.gate_capacities)
-            full_ratios = holdout_hit_ratios(policy.fresh_copy(), warm, holdout, blocks)
-        if policy.chain is not None:
-            quick_ratios = blend_choice(quick, policy.chain.fresh_copy(), quick_ratios).hit_ratios
+        quick_ratios = finish(
+            quick,
+            policy.chain.fresh_copy() if policy.chain is not None else None,
+            horizon_choice.hit_ratios,
+        )
         kept, fit_note = keep_better_fit(
             full_ratios, policy, quick_ratios, quick, config.gate_capacities
         )
@@ -1031,21 +1070,21 @@ def fit_policy_on_events(
     def finish(
         candidate: LearnedPolicy, chain: ChainPolicy | None, known: Sequence[float] | None
     ) -> list[float]:
-        """Give ``candidate`` the chain model and its blend choice; its held-out hit
-        ratios as finished (replayed only when the fit comparison needs them)."""
         candidate.training_info["time_base"] = dict(time_base)
-        candidate.chain = chain
-        ratios = list(known or [])
+        ratios = finish_fit(
+            candidate,
+            chain,
+            events,
+            valid,
+            horizon_ms,
+            warm,
+            holdout,
+            seed=seed,
+            known=known,
+            need_ratios=compare,
+        )
         if chain is not None:
-            blend = choose_chain_blend(
-                candidate, chain, events, valid, horizon_ms, warm, holdout, seed=seed, without=known
-            )
-            candidate.training_info["chain_blend"] = blend.note
-            log.info(blend.note)
-            ratios = blend.hit_ratios
-        if compare and not ratios:
-            blocks = holdout_capacities(holdout, GATE_CAPACITIES)
-            ratios = holdout_hit_ratios(candidate.fresh_copy(), warm, holdout, blocks)
+            log.info(candidate.training_info["chain_blend"])
         return ratios
 
     figures = finish(policy, chain, figures)
