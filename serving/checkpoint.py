@@ -98,7 +98,7 @@ STATE_FIELDS: dict[str, tuple[str, ...]] = {
     # serving
     "ScoringFallback": ("inner", "num_failures"),
     "Placement": ("_tier", "_members", "_pos", "_order", "moved_at_ms"),
-    "Planner": ("rng",),
+    "Planner": ("rng", "_pending", "_kept", "_freed_ahead", "_intake"),
     "PrefetchGate": (
         "used_weight",
         "total_weight",

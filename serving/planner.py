@@ -22,6 +22,18 @@ admission veto: it is not kept in that tier (``bypass``). Demoted blocks may ove
 the next tier, which makes room the same way. Sampled eviction is what LRB and Redis
 use; it keeps the cost per request independent of the cache size.
 
+Batched eviction (``evict_ahead_visits``, ``evict_ahead_share``): one scoring call
+costs far more than its rows (feature gathering, the model call, the chain blend: on
+the shared trace ~1.5 ms a round, most of a learned replay's time), so a scored round
+also frees the room the next ~8 requests will take (at most 1/32 of the tier), and
+those requests store into it without a round. The next round then samples
+``eviction_sample`` residents per request it stands for and scores the blocks those
+requests stored beside them (deferred admission: a one-off block stored into the free
+room is still the first to go), so victims are chosen as selectively as one round per
+request would have. Shared trace, LightGBM, single tier (``kvwarm bench replay``
+prints the rate): 1.7x the block accesses/s at 5%, hit ratio within -0.0008 .. +0.0022
+of one round per request at 1/5/10%.
+
 Exact recency (``by_recency``, when the served policy ranks blocks by recency alone:
 LRU, or the guard while it serves LRU): the victims are the tier's least recently
 touched residents (``Placement.order``), exactly, instead of the lowest of a sample.
@@ -78,6 +90,23 @@ class PlannerParams(BaseModel):
         description="Evict the least recently touched residents exactly when the served "
         "policy ranks by recency (LRU); False: sample as for any policy.",
     )
+    evict_ahead_visits: int = Field(
+        8,
+        ge=0,
+        le=1024,
+        description="Batched eviction: a scored eviction round also frees the room about "
+        "this many more requests will take (the tier's mean intake per request), so they "
+        "find room without a scoring call; the next round samples ``eviction_sample`` "
+        "residents per request it stands for and reconsiders the blocks they stored. 0: "
+        "one round per request that overflows the tier.",
+    )
+    evict_ahead_share: float = Field(
+        1 / 32,
+        ge=0.0,
+        le=0.25,
+        description="At most this share of the tier's capacity is freed ahead (the tier's "
+        "mean occupancy is at most half of it below capacity).",
+    )
     seed: int = Field(0, description="Seed of the eviction sampler (replays repeat exactly).")
 
 
@@ -107,6 +136,14 @@ class Planner:
     def __init__(self, params: PlannerParams | None = None) -> None:
         self.params = params or PlannerParams()
         self.rng = np.random.Generator(np.random.PCG64(self.params.seed))
+        # Batched eviction (``evict_ahead_visits``), per tier: visits (requests or
+        # demotion batches that added blocks) since its last scored round, the blocks
+        # they stored (the next round's admission candidates), how much that round freed
+        # beyond its overflow, and the mean intake per visit.
+        self._pending: dict[int, int] = {}
+        self._kept: dict[int, list[int]] = {}
+        self._freed_ahead: dict[int, int] = {}
+        self._intake: dict[int, float] = {}
 
     def on_request(
         self,
@@ -141,7 +178,8 @@ class Planner:
         if run:
             placement.add_many(run, 0, now_ms)
             stored += run
-        self._make_room(placement, 0, pinned, stored, score, now_ms, moves, by_recency)
+        added = len(moves) > 0
+        self._make_room(placement, 0, pinned, stored, score, now_ms, moves, by_recency, added)
         return moves
 
     def prefetch(
@@ -202,6 +240,31 @@ class Planner:
             self._make_room(placement, target + 1, set(), [], score, now_ms, moves, by_recency)
         return moves
 
+    def _ahead(self, placement: Placement, tier: int, over: int) -> tuple[int, int]:
+        """(blocks to free beyond the overflow, residents to sample) for a scored round
+        of ``tier``: ``eviction_sample`` per visit (a request, or a demotion batch from
+        above) since the tier's last round, as many as per-visit rounds would have
+        scored, so the victims are as selectively chosen."""
+        p = self.params
+        if p.evict_ahead_visits == 0 or p.evict_ahead_share == 0:
+            return 0, p.eviction_sample
+        visits = self._pending.get(tier, 0) + 1
+        self._pending[tier] = 0  # counting starts at the first round (not while filling)
+        # The tier's intake per visit: what the last round freed ahead, plus this
+        # overflow, over the visits since (a decayed mean).
+        intake = (self._freed_ahead.get(tier, 0) + over) / visits
+        mean = self._intake.get(tier, intake) * 0.9 + 0.1 * intake
+        self._intake[tier] = mean
+        ahead = min(
+            int(placement.capacities[tier] * p.evict_ahead_share),
+            int(p.evict_ahead_visits * mean),
+        )
+        if 2 * (over + ahead) >= placement.count(tier):
+            ahead = 0  # a spill of over half the tier: every resident is a candidate
+            self._kept.pop(tier, None)
+        self._freed_ahead[tier] = ahead
+        return ahead, p.eviction_sample * visits
+
     def _demote(
         self, placement: Placement, block: int, tier: int, s: float, now_ms: int, moves: list[Move]
     ) -> None:
@@ -223,6 +286,7 @@ class Planner:
         now_ms: int,
         moves: list[Move],
         by_recency: bool = False,
+        added: bool = True,
     ) -> None:
         """Bring ``tier`` (and, through the blocks it demotes, every tier below) back to
         capacity. Invariant on return: ``count(t) <= capacities[t]`` for every tier from
@@ -245,18 +309,32 @@ class Planner:
         while tier < placement.num_tiers:
             over = placement.overflow(tier)
             if over <= 0:
+                if added and not by_recency and tier in self._pending:
+                    self._pending[tier] += 1
+                    if self.params.admission:
+                        self._kept.setdefault(tier, []).extend(stored)
                 return
+            ahead, sample_size = 0, self.params.eviction_sample
+            if not by_recency:
+                ahead, sample_size = self._ahead(placement, tier, over)
             if by_recency:
                 candidates = placement.oldest(tier, over, exclude=pinned)
                 if len(candidates) < over:
                     candidates += placement.oldest(
                         tier, over - len(candidates), exclude=set(candidates)
                     )
-            elif 2 * over < placement.count(tier):
-                sample = placement.sample(
-                    tier, self.params.eviction_sample + over, self.rng, exclude=pinned
-                )
-                candidates = sample + stored if self.params.admission else list(sample)
+            elif 2 * (over + ahead) < placement.count(tier):
+                over += ahead  # ahead > 0 only here (``_ahead``)
+                sample = placement.sample(tier, sample_size + over, self.rng, exclude=pinned)
+                if self.params.admission:
+                    kept = [
+                        b
+                        for b in self._kept.pop(tier, ())
+                        if b not in pinned and placement.tier_of(b) == tier
+                    ]
+                    candidates = sample + kept + stored
+                else:
+                    candidates = list(sample)
                 # Distinct, in first-seen order: a stored block may also have been sampled.
                 candidates = list(dict.fromkeys(candidates))
             else:
@@ -298,3 +376,4 @@ class Planner:
                 for b, s in zip(out, out_scores, strict=True)
             ]
             tier, pinned, stored = below, set(), (out if to_tier != NOWHERE else [])
+            added = True
