@@ -47,6 +47,10 @@ blocks), so LRU stays exact for them; about 100 MB of tracking state."""
 EVICT_FRACTION = 0.125
 """Share of the tracked blocks forgotten at once when the table is full."""
 
+_BULK_MIN_BLOCKS = 8
+"""Requests of at least this many blocks update the table in array operations (one
+numpy call per array instead of one per block); shorter ones loop."""
+
 _ARRAYS = ("last_access", "prev_access", "last_request", "count", "depth", "hash_of")
 
 
@@ -113,9 +117,43 @@ class _BlockTable:
         self.num_forgotten += num
 
     def observe(self, event: BlocksAccessed) -> None:
+        blocks = event.block_hashes
+        n = len(blocks)
+        slot_of = self.slot_of
+        # In bulk (array writes per request, not per block) when that is exactly what
+        # the loop does: blocks distinct, and room for the new ones without forgetting
+        # (forgetting ranks by last access, which the loop updates as it goes).
+        if n < _BULK_MIN_BLOCKS or len(set(blocks)) != n:
+            self._observe_loop(blocks)
+            return
+        found = list(map(slot_of.get, blocks))
+        new = [i for i, slot in enumerate(found) if slot is None]
+        if len(new) > self.max_blocks - len(slot_of):
+            self._observe_loop(blocks)
+            return
+        if new:
+            new_slots = []
+            for i in new:
+                slot = self._new_slot()
+                slot_of[blocks[i]] = slot
+                found[i] = slot
+                new_slots.append(slot)
+            self.hash_of[new_slots] = np.array([blocks[i] for i in new], dtype=np.uint64)
+            self.depth[new_slots] = new
+        slots = np.array(found, dtype=np.intp)
+        base = self.num_accesses
+        if self.keep_previous:
+            self.prev_access[slots] = self.last_access[slots]
+        self.last_access[slots] = np.arange(base + 1, base + n + 1, dtype=np.int64)
+        self.last_request[slots] = self.num_requests + 1
+        self.count[slots] += 1
+        self.num_accesses = base + n
+        self.num_requests += 1
+
+    def _observe_loop(self, blocks: tuple[int, ...]) -> None:
         slot_of = self.slot_of
         keep_previous = self.keep_previous
-        for depth, block in enumerate(event.block_hashes):
+        for depth, block in enumerate(blocks):
             slot = slot_of.get(block)
             if slot is None:
                 slot = self._new_slot()

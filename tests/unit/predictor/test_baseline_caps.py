@@ -55,3 +55,32 @@ def test_capped_lru_ranks_every_tracked_block_as_exact_lru_does():
 def test_the_cap_is_a_validated_param():
     with pytest.raises(ValueError):
         make_policy("lru", {"max_tracked_blocks": 0})
+
+
+@pytest.mark.parametrize("keep_previous", [False, True])
+@pytest.mark.parametrize("max_blocks", [64, 1_000])
+def test_bulk_update_equals_the_per_block_loop(keep_previous, max_blocks):
+    """Requests of >= 8 distinct blocks update the table in array operations; the result
+    is the per-block loop's exactly, duplicates, growth and forgetting included."""
+    from predictor.baselines import _BlockTable
+
+    rng = np.random.default_rng(5)
+    bulk = _BlockTable(initial_capacity=16, max_blocks=max_blocks, keep_previous=keep_previous)
+    loop = _BlockTable(initial_capacity=16, max_blocks=max_blocks, keep_previous=keep_previous)
+    for i in range(400):
+        size = int(rng.integers(1, 40))
+        ids = rng.choice(300, size=size, replace=False).tolist()
+        if i % 7 == 0:
+            ids[-1] = ids[0]  # a block read twice in one request
+        hashes = tuple(b * 0x9E3779B97F4A7C15 % (1 << 64) for b in ids)  # above 2**63 too
+        event = BlocksAccessed(
+            ts_ms=i, request_id=str(i), block_hashes=hashes, block_size_tokens=16
+        )
+        bulk.observe(event)
+        loop._observe_loop(event.block_hashes)
+    assert bulk.slot_of == loop.slot_of
+    assert bulk.num_accesses == loop.num_accesses and bulk.num_requests == loop.num_requests
+    assert bulk.free_slots == loop.free_slots and bulk.num_forgotten == loop.num_forgotten
+    for name in bulk._arrays:
+        assert np.array_equal(getattr(bulk, name), getattr(loop, name)), name
+    assert bulk.num_forgotten > 0 or max_blocks > 300  # the small table did forget
