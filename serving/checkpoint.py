@@ -98,7 +98,17 @@ STATE_FIELDS: dict[str, tuple[str, ...]] = {
     # serving
     "ScoringFallback": ("inner", "num_failures"),
     "Placement": ("_tier", "_members", "_pos", "_order", "moved_at_ms"),
-    "Planner": ("rng", "_pending", "_kept", "_freed_ahead", "_intake"),
+    "Planner": (
+        "rng",
+        "_queue",
+        "_queue_scores",
+        "_round_ms",
+        "_touched",
+        "_kept",
+        "_intake",
+        "_round_request",
+        "_requests",
+    ),
     "PrefetchGate": (
         "used_weight",
         "total_weight",
