@@ -9,7 +9,9 @@ each, their own timers) on that same sequence and capacity. For LightGBM it also
 prints the per-call cost of the tree evaluators side by side on the replay's own
 feature rows (``Booster.predict``, LightGBM's C API by ctypes, the numpy walk of
 ``predictor.trees``, the generated C of ``predictor.compiled_trees``, which the policy
-scores with) and where the replay's time goes (a profile).
+scores with) and where the replay's time goes (a profile); and the same LightGBM
+replay with batched eviction ("lightgbm b8": ``PlannerParams.evict_ahead_visits=8``,
+off by default), its speed and hit ratio beside the default's.
 """
 
 from __future__ import annotations
@@ -33,7 +35,14 @@ from features.trace_stats import lru_hits
 from predictor.base import Policy
 from predictor.learned import LearnedPolicy
 from predictor.registry import make_policy
-from training.replay import distinct_blocks, replay_single_tier, split_events, spread_ties
+from serving.planner import PlannerParams
+from training.replay import (
+    SingleTierResult,
+    distinct_blocks,
+    replay_single_tier,
+    split_events,
+    spread_ties,
+)
 
 
 def _events(trace: Path | None) -> tuple[str, list[BlocksAccessed]]:
@@ -110,12 +119,14 @@ def replay_bench(
             policy.set_score_max_age(score_max_age_ms)
         policy.observe_many(train)
         # Copies made before the clock starts: copying a warm state is not replay work.
-        runs = [copy.deepcopy(policy) for _ in range(2 if policy_name == "lightgbm" else 1)]
+        runs = [copy.deepcopy(policy) for _ in range(3 if policy_name == "lightgbm" else 1)]
         result = replay_single_tier(runs[0], test, cap)
-        vs_lrb = f"{result.accesses_per_s / lrb:>10.3f}x" if lrb else f"{'-':>11}"
-        click.echo(
-            f"{policy_name:>12} {result.accesses_per_s:>12,.0f} {result.accesses_per_s / base_rate:>11.3f}x {vs_lrb} {result.hit_ratio:>10.4f}"
-        )
+        click.echo(_row(policy_name, result, base_rate, lrb))
+        if policy_name == "lightgbm":
+            # The same with batched eviction (off by default: see serving.planner).
+            batched = PlannerParams(evict_ahead_visits=BATCHED_VISITS)
+            result = replay_single_tier(runs[2], test, cap, planner_params=batched)
+            click.echo(_row(f"{policy_name} b{BATCHED_VISITS}", result, base_rate, lrb))
         if policy_name == "lightgbm" and isinstance(policy, LearnedPolicy):
             evaluator_text = _evaluators(policy, test)
             profiler = cProfile.Profile()
@@ -130,6 +141,18 @@ def replay_bench(
     if profile_text:
         click.echo("\nwhere the time goes (lightgbm, first quarter of the replay, by own time):")
         click.echo("\n".join(line for line in profile_text.splitlines() if line.strip())[:3000])
+
+
+BATCHED_VISITS = 8
+"""``PlannerParams.evict_ahead_visits`` of the batched-eviction row ("lightgbm b8")."""
+
+
+def _row(label: str, result: SingleTierResult, base_rate: float, lrb: float | None) -> str:
+    vs_lrb = f"{result.accesses_per_s / lrb:>10.3f}x" if lrb else f"{'-':>11}"
+    return (
+        f"{label:>12} {result.accesses_per_s:>12,.0f} "
+        f"{result.accesses_per_s / base_rate:>11.3f}x {vs_lrb} {result.hit_ratio:>10.4f}"
+    )
 
 
 def _evaluators(policy: LearnedPolicy, events: list[BlocksAccessed]) -> str:
