@@ -261,6 +261,16 @@ _common = [
         "LRU, LFU and LRU-2; the best one serves), as kvwarm serve does.",
     ),
     click.option(
+        "--evict-ahead-visits",
+        type=click.IntRange(0, 1024),
+        default=0,
+        show_default=True,
+        help="Batched eviction: a scored round also queues the victims of about this many "
+        "more requests, which then need no scoring call; faster, but the admission veto "
+        "of blocks stored between rounds waits for the next round (see serving.planner). "
+        "0: one round per request.",
+    ),
+    click.option(
         "--out",
         "out_dir",
         type=click.Path(file_okay=False, path_type=Path),
@@ -293,12 +303,14 @@ def comparison_options(fn: Any) -> Any:
         modes: str,
         no_peers: bool,
         guard: bool,
+        evict_ahead_visits: int,
         **kwargs: Any,
     ) -> Any:
         config = _config(policies, capacities, train_fraction, profile, load, modes, no_peers)
         config.concurrency = concurrency
         config.think_ms = think_ms
         config.guard = guard
+        config.evict_ahead_visits = evict_ahead_visits
         experiment = kwargs.get("experiment")
         if experiment is not None and experiment != "" and not experiment.strip():
             raise click.BadParameter("blank name; use '' to skip MLflow", param_hint="--experiment")

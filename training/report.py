@@ -83,6 +83,8 @@ class ComparisonConfig:
     """Closed loop: mean think time between a client's requests (exponential)."""
     peers: bool = True
     eviction_sample: int = 64
+    evict_ahead_visits: int = 0
+    """Batched eviction (``PlannerParams.evict_ahead_visits``; 0: off, the default)."""
     seed: int = 0
     guard: bool = True
     """Serve learned policies behind the online guard (``predictor.guard``), as serving does."""
@@ -263,7 +265,11 @@ def run_comparison(
 
     from serving.planner import PlannerParams
 
-    planner = PlannerParams(eviction_sample=config.eviction_sample, seed=config.seed)
+    planner = PlannerParams(
+        eviction_sample=config.eviction_sample,
+        evict_ahead_visits=config.evict_ahead_visits,
+        seed=config.seed,
+    )
     for fraction in config.capacities:
         capacity = max(1, int(fraction * num_distinct))
         if "single" in config.modes:

@@ -68,3 +68,45 @@ def test_replay_refuses_unknown_policies(tmp_path):
     )
     assert result.exit_code != 0
     assert "valid: " in result.output and "lightgbm" in result.output
+
+
+def test_replay_takes_batched_eviction_and_records_it(tmp_path):
+    """``--evict-ahead-visits`` reaches the planner (LFU evicts differently) and the
+    results say which was used."""
+    trace = tmp_path / "trace.jsonl"
+    runner = CliRunner()
+    made = runner.invoke(
+        main,
+        ["generate", "--requests", "1200", "--seed", "3", "--profile", "mixed", "-o", str(trace)],
+    )
+    assert made.exit_code == 0, made.output
+    hit = {}
+    for visits in (0, 8):
+        out = tmp_path / f"out{visits}"
+        result = runner.invoke(
+            main,
+            [
+                "replay",
+                "--trace",
+                str(trace),
+                "--policies",
+                "lfu",
+                "--modes",
+                "single",
+                "--capacities",
+                "0.1",
+                "--no-peers",
+                "--evict-ahead-visits",
+                str(visits),
+                "--out",
+                str(out),
+                "--experiment",
+                "",
+            ],
+        )
+        assert result.exit_code == 0, result.output
+        data = json.loads((out / "results.json").read_text())
+        assert data["config"]["evict_ahead_visits"] == visits
+        hit[visits] = data["single"][0]["policies"]["lfu"]
+    assert hit[0] != hit[8]
+    assert abs(hit[0] - hit[8]) < 0.05
