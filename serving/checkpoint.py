@@ -103,7 +103,7 @@ STATE_FIELDS: dict[str, tuple[str, ...]] = {
         "_queue",
         "_queue_scores",
         "_round_ms",
-        "_touched",
+        "_read_since_round",
         "_kept",
         "_intake",
         "_round_request",

@@ -153,13 +153,15 @@ class Planner:
         self.rng = np.random.Generator(np.random.PCG64(self.params.seed))
         # Batched eviction (``evict_ahead_visits``), per tier: the victims queued by
         # its last scored round (lowest score last) and their scores, when that round
-        # ran, the blocks read since (no longer victims: their scores are stale), the
-        # blocks stored since (the next round's admission candidates), and the mean
-        # intake per request (blocks over capacity).
+        # ran, the blocks stored since (the next round's admission candidates), and the
+        # mean intake per request (blocks over capacity). Requests read only the
+        # fastest tier in place: the blocks they read since its last round are no
+        # longer victims there (their scores are stale); a block read from a lower
+        # tier leaves it, which the queue sees.
         self._queue: dict[int, list[int]] = {}
         self._queue_scores: dict[int, list[float]] = {}
         self._round_ms: dict[int, int] = {}
-        self._touched: dict[int, dict[int, None]] = {}  # a dict: checkpointable
+        self._read_since_round: dict[int, None] = {}  # a dict: checkpointable
         self._kept: dict[int, list[int]] = {}
         self._intake: dict[int, float] = {}
         self._round_request: dict[int, int] = {}
@@ -200,7 +202,7 @@ class Planner:
             stored += run
         self._requests += 1
         if self._queue.get(0):
-            self._touched[0].update(dict.fromkeys(pinned))
+            self._read_since_round.update(dict.fromkeys(pinned))
         self._make_room(placement, 0, pinned, stored, score, now_ms, moves, by_recency)
         return moves
 
@@ -303,7 +305,7 @@ class Planner:
             queue.clear()
             scores.clear()
             return None
-        touched = self._touched.get(tier, {})
+        read = self._read_since_round if tier == 0 else {}
         since = self._round_ms[tier]
         tier_of, moved = placement.tier_of, placement.moved_at_ms
         out: list[int] = []
@@ -313,7 +315,7 @@ class Planner:
             if (
                 tier_of(block) == tier
                 and block not in pinned
-                and block not in touched
+                and block not in read
                 and moved.get(block, 0) <= since
             ):
                 out.append(block)
@@ -345,7 +347,6 @@ class Planner:
         now_ms: int,
         moves: list[Move],
         by_recency: bool = False,
-        added: bool = True,
     ) -> None:
         """Bring ``tier`` (and, through the blocks it demotes, every tier below) back to
         capacity. Invariant on return: ``count(t) <= capacities[t]`` for every tier from
@@ -465,6 +466,7 @@ class Planner:
             self._queue_scores[tier] = scores[nxt].tolist()
             self._round_ms[tier] = now_ms
             self._round_request[tier] = self._requests
-            self._touched[tier] = {}
+            if tier == 0:
+                self._read_since_round = {}
             self._kept.pop(tier, None)
         return [candidates[i] for i in victims.tolist()], scores[victims].tolist()
