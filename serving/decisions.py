@@ -40,6 +40,7 @@ import math
 import os
 from collections import Counter, deque
 from collections.abc import Callable, Sequence
+from operator import itemgetter
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
@@ -84,7 +85,7 @@ def net_moves(moves: list[Move]) -> list[Move]:
     it (a request's block promoted to the fastest tier and demoted again at once
     becomes one promote to where it stays; a block that ends where it started makes
     no move). In the order of each block's first move."""
-    if len({m.block for m in moves}) == len(moves):  # the common case: one move a block
+    if _one_move_a_block(moves):  # the common case
         return list(moves)
     chains: dict[int, list[Move]] = {}
     for m in moves:
@@ -110,6 +111,13 @@ def net_moves(moves: list[Move]) -> list[Move]:
     return out
 
 
+def _one_move_a_block(moves: list[Move]) -> bool:
+    return len(set(map(_BLOCK_OF, moves))) == len(moves)
+
+
+_BLOCK_OF = itemgetter(0)
+
+
 def order_for_room(
     moves: list[Move], counts_after: Sequence[int], limits: Sequence[int]
 ) -> list[Move]:
@@ -126,17 +134,19 @@ def order_for_room(
     several moves per block, a tier's sends can wait on blocks that have yet to enter
     it, and that argument fails.) Should no order exist, the moves left go last in the
     planner's order, and the executor refuses those that do not fit."""
-    count = list(counts_after)
-    chains: dict[int, list[Move]] = {}
-    for m in moves:  # back to the counts the round started from
-        if m.to_tier != NOWHERE:
-            count[m.to_tier] -= 1
-        if m.from_tier != NOWHERE:
-            count[m.from_tier] += 1
-        chains.setdefault(m.block, []).append(m)
+    # Counts carry one more slot, for NOWHERE (-1): a move from or to nowhere counts
+    # there, unlimited, so the loops below need no test for it.
+    count = [*counts_after, 0]
+    for _, src, dst, _, _ in moves:  # back to the counts the round started from
+        count[dst] -= 1
+        count[src] += 1
+    unlimited = [*limits, count[-1] + len(moves) + 1]
     # The common case, one move a block and none that waits: the planner's order.
-    if len(chains) == len(moves) and _fits_in_order(moves, list(count), limits):
+    if _one_move_a_block(moves) and _fits_in_order(moves, list(count), unlimited):
         return list(moves)
+    chains: dict[int, list[Move]] = {}
+    for m in moves:
+        chains.setdefault(m.block, []).append(m)
     ready: deque[Move] = deque(chain[0] for chain in chains.values())
     next_in_chain = {block: 1 for block in chains}
     waiting: list[deque[Move]] = [deque() for _ in limits]
@@ -148,12 +158,10 @@ def order_for_room(
             waiting[dst].append(m)
             continue
         out.append(m)
-        if dst != NOWHERE:
-            count[dst] += 1
-        if m.from_tier != NOWHERE:
-            count[m.from_tier] -= 1
-            if waiting[m.from_tier]:
-                ready.append(waiting[m.from_tier].popleft())
+        count[dst] += 1
+        count[m.from_tier] -= 1
+        if m.from_tier != NOWHERE and waiting[m.from_tier]:
+            ready.append(waiting[m.from_tier].popleft())
         chain = chains[m.block]
         i = next_in_chain[m.block]
         if i < len(chain):
@@ -166,16 +174,14 @@ def order_for_room(
 
 
 def _fits_in_order(moves: list[Move], count: list[int], limits: Sequence[int]) -> bool:
-    """Whether ``moves`` applied in their order from ``count`` (blocks per tier, changed
-    in place) keep every tier within ``limits``: then ``order_for_room`` keeps it."""
-    for m in moves:
-        dst = m.to_tier
-        if dst != NOWHERE:
-            if count[dst] >= limits[dst]:
-                return False
-            count[dst] += 1
-        if m.from_tier != NOWHERE:
-            count[m.from_tier] -= 1
+    """Whether ``moves`` applied in their order from ``count`` (blocks per tier, then
+    the NOWHERE slot; changed in place) keep every tier within ``limits`` (one more,
+    unreachable, for NOWHERE): then ``order_for_room`` keeps it."""
+    for _, src, dst, _, _ in moves:
+        if count[dst] >= limits[dst]:
+            return False
+        count[dst] += 1
+        count[src] -= 1
     return True
 
 
@@ -269,52 +275,55 @@ class DecisionMaker:
         deadline = now_ms + self.deadline_ms
         out: list[Decision] = []
         seen: set[str] = set()
-        counts = self.by_action_tier
-        for m in moves:
-            action = _ACTION[m.kind]
-            to_tier = names[m.to_tier] if m.to_tier != NOWHERE else None
+        made: dict[tuple[str, str], int] = {}
+        planned, isfinite, blake2b = Decision.planned, math.isfinite, hashlib.blake2b
+        for block, src, dst, score, kind in moves:
+            action = _ACTION[kind]
+            to_tier = names[dst] if dst != NOWHERE else None
             if not action:
                 if self.on_store is not None and to_tier is not None:
                     if emit_before_store and out:
                         self.sink.emit(out)
                         out = []
-                    self.on_store(m.block, to_tier, now_ms)
+                    self.on_store(block, to_tier, now_ms)
                 continue
-            from_tier = names[m.from_tier] if m.from_tier != NOWHERE else None
+            from_tier = names[src] if src != NOWHERE else None
             if to_tier is None:
                 action = "evict"
-            did = decision_id(origin, m.block, action, from_tier, to_tier)
+            # decision_id, inline (one call less per decision).
+            key = f"{origin}\x1f{block}\x1f{action}\x1f{from_tier}\x1f{to_tier}"
+            did = blake2b(key.encode(), digest_size=12).hexdigest()
             if did in seen:  # the same move twice in one round: keep ids unique
-                did = decision_id(f"{origin}#{len(seen)}", m.block, action, from_tier, to_tier)
+                did = decision_id(f"{origin}#{len(seen)}", block, action, from_tier, to_tier)
             seen.add(did)
-            score = float(m.score)
-            src, dst = m.from_tier, m.to_tier
+            score = float(score)
             if action == "promote":
                 sound = src != NOWHERE and dst < src
             elif action == "demote":
                 sound = src != NOWHERE and dst > src
             else:  # evict: to nowhere
                 sound = True
-            sound = sound and math.isfinite(score)
             # What the planner makes is valid by construction (see ``Decision.planned``);
             # anything else goes through the checking constructor, which says what.
-            build = Decision.planned if sound else Decision
+            build = planned if sound and isfinite(score) else Decision
             out.append(
                 build(
-                    decision_id=did,
-                    ts_ms=now_ms,
-                    block_hash=m.block,
-                    action=action,  # type: ignore[arg-type]
-                    from_tier=from_tier,
-                    to_tier=to_tier,
-                    score=score,
-                    policy=policy,
-                    model_version=version,
-                    deadline_ms=deadline,
+                    did,
+                    now_ms,
+                    block,
+                    action,  # type: ignore[arg-type]
+                    from_tier,
+                    to_tier,
+                    score,
+                    policy,
+                    version,
+                    deadline,
                 )
             )
-            counts[(action, to_tier or from_tier or "")] += 1
-            self.num_decisions += 1
+            where = (action, to_tier or from_tier or "")
+            made[where] = made.get(where, 0) + 1
+        self.by_action_tier.update(made)
+        self.num_decisions += sum(made.values())
         return out
 
 
