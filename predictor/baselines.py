@@ -32,6 +32,7 @@ about 50 bytes per tracked block in the arrays plus the hash -> slot dict.
 from __future__ import annotations
 
 import itertools
+from collections.abc import Iterable
 from typing import ClassVar
 
 import numpy as np
@@ -168,6 +169,11 @@ class _BlockTable:
             self.count[slot] += 1
         self.num_requests += 1
 
+    def state_counts(self) -> tuple[int, int, int, int]:
+        """(accesses, requests, forgotten blocks, tracked blocks): equal for tables that
+        followed the same stream."""
+        return (self.num_accesses, self.num_requests, self.num_forgotten, len(self.slot_of))
+
     def slots(self, block_hashes: np.ndarray) -> np.ndarray:
         """Slot per hash, -1 for blocks never seen."""
         return np.fromiter(
@@ -214,10 +220,40 @@ class _TablePolicy(Policy):
         self._table = _BlockTable(
             max_blocks=self.params.max_tracked_blocks, keep_previous=self.keeps_previous_access
         )
+        self.reads_shared_table = False
+        """Scores from another policy's table, which that policy keeps up to date
+        (``share_block_tables``); ``observe`` then does nothing."""
 
     def observe(self, event: Event) -> None:
-        if isinstance(event, BlocksAccessed):
+        if isinstance(event, BlocksAccessed) and not self.reads_shared_table:
             self._table.observe(event)
+
+
+def share_block_tables(policies: Iterable[Policy]) -> int:
+    """Let table-based baselines that observe the same stream (a guard's candidates)
+    keep one block table between them instead of one each: every table holds the same
+    columns updated the same way by the same events, whatever the policy (LRU-2's adds
+    the second-to-last access), and forgets by last access alone, so a shared table
+    scores exactly as separate ones would. Per group of the same ``max_tracked_blocks``,
+    the table of a policy that keeps the previous access (when one does) is kept and the
+    others read it and stop updating their own; a table in another state (a different
+    count of accesses, requests, forgotten or tracked blocks: another stream) is left
+    alone. The caller must keep feeding the kept table's owner every event, as a guard
+    feeds all its candidates. Returns how many tables were given up."""
+    groups: dict[int, list[_TablePolicy]] = {}
+    for policy in policies:
+        if isinstance(policy, _TablePolicy) and not policy.reads_shared_table:
+            groups.setdefault(policy.params.max_tracked_blocks, []).append(policy)
+    shared = 0
+    for group in groups.values():
+        owner = next((p for p in group if p.keeps_previous_access), group[0])
+        state = owner._table.state_counts()
+        for policy in group:
+            if policy is not owner and policy._table.state_counts() == state:
+                policy._table = owner._table
+                policy.reads_shared_table = True
+                shared += 1
+    return shared
 
 
 class LRUPolicy(_TablePolicy):

@@ -26,7 +26,10 @@ eviction would have scored. At a second cache size (``outer_capacity_blocks``), 
 second ``_Scale`` of ghosts runs beside the first, with its own sample.
 
 Memory: at most ``ghost_blocks + 16`` entries per candidate and scale (``rate`` is
-chosen from the cache's capacity to keep it so), whatever the stream.
+chosen from the cache's capacity to keep it so), whatever the stream. The heuristics
+observe the same stream, so they keep one block table between them
+(``predictor.baselines.share_block_tables``): at 800,000 tracked blocks, 146 MB and
+one update per event instead of 346 MB and three.
 
 Primitives:
 
@@ -51,6 +54,7 @@ from pydantic import Field
 
 from features.events import BlocksAccessed, Event
 from predictor.base import Policy, PolicyParams, as_hash_array
+from predictor.baselines import share_block_tables
 
 _MASK64 = (1 << 64) - 1
 _GOLDEN64 = 0x9E3779B97F4A7C15
@@ -290,6 +294,8 @@ class GuardedPolicy(Policy):
                 f"initial candidate {self.params.initial!r} is not one of {', '.join(candidates)}"
             )
         self.candidates: dict[str, Policy] = dict(candidates)
+        # The heuristics observe the same stream: one block table serves them all.
+        share_block_tables(self.candidates.values())
         p = self.params
         names = list(self.candidates)
         recency = {name: c.ranks_by_recency for name, c in self.candidates.items()}

@@ -13,7 +13,8 @@ import numpy as np
 import pytest
 
 from features.events import BlocksAccessed
-from predictor.baselines import LFUPolicy, LRU2Policy, LRUPolicy
+from predictor import make_policy
+from predictor.baselines import LFUPolicy, LRU2Policy, LRUPolicy, share_block_tables
 from predictor.guard import GuardedPolicy, GuardParams, guarded
 from training.replay import distinct_blocks, replay_single_tier, split_events, spread_ties
 
@@ -269,3 +270,37 @@ def test_guard_moves_to_lru2_where_reads_repeat_behind_scans():
     served = replay_single_tier(guard, events, capacity).hit_ratio
     assert guard.chosen == "lru2", guard.estimates()
     assert served >= ratios["lru2"] - 0.05, (served, ratios)
+
+
+def test_the_guards_heuristics_keep_one_block_table_and_score_as_separate_ones():
+    """LRU, LFU and LRU-2 behind a guard read one table (LRU-2's, which keeps the
+    second-to-last access), updated once per event; their scores equal those of the
+    same policies each keeping its own, through table growth and forgetting."""
+    events = recency_events(num_requests=800)
+    small = {"max_tracked_blocks": 512}  # well under the stream's blocks: forgetting
+    names = ("lru", "lfu", "lru2")
+    shared = {name: make_policy(name, small) for name in names}
+    alone = {name: make_policy(name, small) for name in names}
+    guard = GuardedPolicy(GuardParams(capacity_blocks=64), shared)
+    assert len({id(policy._table) for policy in shared.values()}) == 1
+    assert shared["lru"]._table is shared["lru2"]._table and not shared["lru2"].reads_shared_table
+    for event in events:
+        guard.observe(event)
+        for policy in alone.values():
+            policy.observe(event)
+    assert alone["lru"]._table.num_forgotten > 0
+    assert shared["lru2"]._table.state_counts() == alone["lru2"]._table.state_counts()
+    seen = {b for event in events for b in event.block_hashes}
+    probe = np.array(sorted(seen) + [10**12], dtype=np.uint64)
+    now = events[-1].ts_ms
+    for name in names:
+        np.testing.assert_array_equal(shared[name].score(probe, now), alone[name].score(probe, now))
+
+
+def test_tables_of_different_streams_or_caps_are_not_shared():
+    events = recency_events(num_requests=20)
+    warmed, cold = make_policy("lfu"), make_policy("lru")
+    warmed.observe(events[0])
+    other_cap = make_policy("lru2", {"max_tracked_blocks": 1_000})
+    assert share_block_tables([warmed, cold, other_cap]) == 0
+    assert not any(p.reads_shared_table for p in (warmed, cold, other_cap))
