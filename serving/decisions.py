@@ -111,11 +111,11 @@ def net_moves(moves: list[Move]) -> list[Move]:
     return out
 
 
+_BLOCK_OF = itemgetter(0)
+
+
 def _one_move_a_block(moves: list[Move]) -> bool:
     return len(set(map(_BLOCK_OF, moves))) == len(moves)
-
-
-_BLOCK_OF = itemgetter(0)
 
 
 def order_for_room(
@@ -188,7 +188,8 @@ def _fits_in_order(moves: list[Move], count: list[int], limits: Sequence[int]) -
 def decision_id(
     origin: str, block: int, action: str, from_tier: str | None, to_tier: str | None
 ) -> str:
-    """A stable id for one decision: the same inputs give the same id in any process."""
+    """A stable id for one decision: the same inputs give the same id in any process.
+    (``DecisionMaker.make`` computes the same inline; a test keeps them equal.)"""
     key = f"{origin}\x1f{block}\x1f{action}\x1f{from_tier}\x1f{to_tier}".encode()
     return hashlib.blake2b(key, digest_size=12).hexdigest()
 

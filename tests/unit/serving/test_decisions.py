@@ -100,6 +100,22 @@ def test_ids_are_stable_across_processes_and_redelivery(small_trace):
     )
 
 
+def test_the_makers_ids_are_decision_id_of_their_fields():
+    # ``make`` computes ids inline; they must stay exactly ``decision_id``'s.
+    maker = DecisionMaker(TIERS, ListSink(), lambda: ("lru", "builtin"))
+    moves = [
+        Move(11, 1, 0, 0.5, "demand"),
+        Move(12, 0, 1, 0.1, "demote"),
+        Move(13, 2, NOWHERE, 0.0, "evict"),
+        Move(14, NOWHERE, 1, 0.2, "bypass"),
+    ]
+    made = maker.make("req-7", moves, 1_000)
+    assert [d.decision_id for d in made] == [
+        decision_id("req-7", d.block_hash, d.action, d.from_tier, d.to_tier) for d in made
+    ]
+    assert [d.action for d in made] == ["promote", "demote", "evict", "demote"]
+
+
 def test_jsonl_sink_round_trips_through_decision_from_dict(small_trace, tmp_path):
     path = tmp_path / "out" / "decisions.jsonl"
     sink = JsonlDecisionSink(path)
