@@ -304,3 +304,33 @@ def test_tables_of_different_streams_or_caps_are_not_shared():
     other_cap = make_policy("lru2", {"max_tracked_blocks": 1_000})
     assert share_block_tables([warmed, cold, other_cap]) == 0
     assert not any(p.reads_shared_table for p in (warmed, cold, other_cap))
+
+
+def test_a_snapshot_with_a_table_per_heuristic_restores_into_the_shared_table():
+    """A guard checkpointed before its heuristics shared a table (one table each)
+    restores into a guard that shares one: the same scores, then and after more events."""
+    from predictor.baselines import _BlockTable
+    from serving.checkpoint import capture, restore
+    from serving.state_store import decode_state, encode_state
+
+    events = recency_events(num_requests=600)
+    names = ("lru", "lfu", "lru2")
+    old = GuardedPolicy(GuardParams(capacity_blocks=64), {n: make_policy(n) for n in names})
+    for name in ("lru", "lfu"):  # as before sharing: a table of their own
+        policy = old.candidates[name]
+        policy.reads_shared_table = False
+        policy._table = _BlockTable(max_blocks=policy.params.max_tracked_blocks)
+    old.observe_many(events)
+    new = GuardedPolicy(GuardParams(capacity_blocks=64), {n: make_policy(n) for n in names})
+    restore(new, decode_state(encode_state(capture(old))))
+    assert new.candidates["lru"]._table is new.candidates["lru2"]._table
+    probe = np.array(sorted({b for e in events for b in e.block_hashes}), dtype=np.uint64)
+    for more in ([], events[:50]):
+        for event in more:
+            old.observe(event)
+            new.observe(event)
+        now = events[-1].ts_ms
+        for name in names:
+            np.testing.assert_array_equal(
+                new.candidates[name].score(probe, now), old.candidates[name].score(probe, now)
+            )
