@@ -11,6 +11,9 @@ the same command.
 
 Learned policies (``lightgbm``) get a tiny model fitted in the child on synthetic rows:
 what is measured is their online feature state, which is what grows with blocks.
+``guarded`` is that model behind the online guard as ``kvwarm serve`` runs it by default
+(the default tiers: ghosts at HBM's size and at HBM + DRAM's, the LRU, LFU and LRU-2
+heuristics beside the model, sharing one block table): what the sidecar holds.
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ import numpy as np
 
 from features.events import BlocksAccessed
 
-DEFAULT_POLICIES = ("lru-uncapped", "lru", "lfu", "prefix_lru", "lightgbm")
+DEFAULT_POLICIES = ("lru-uncapped", "lru", "lfu", "prefix_lru", "lightgbm", "guarded")
 
 
 def _rss_mb() -> float:
@@ -36,6 +39,19 @@ def _rss_mb() -> float:
 
 def _make(name: str, max_tracked_blocks: int | None) -> Any:
     from predictor.registry import make_policy
+
+    if name == "guarded":
+        from predictor.guard import guarded, memory_capacity_blocks
+        from serving.settings import SidecarSettings
+
+        tiers = SidecarSettings.model_fields
+        names = tiers["tier_names"].default
+        capacities = tiers["tier_capacities_blocks"].default
+        return guarded(
+            _make("lightgbm", max_tracked_blocks),
+            capacities[0],
+            outer_capacity_blocks=memory_capacity_blocks(names, capacities),
+        )
 
     if name == "lru-uncapped":
         return make_policy("lru", {"max_tracked_blocks": 1 << 31})
