@@ -123,7 +123,8 @@ def _at(points: list[tuple[int, float]], fraction: float) -> float:
 @click.option("--policies", default=",".join(DEFAULT_POLICIES), show_default=True,
               help="Comma-separated; lru-uncapped is LRU with no tracking cap.")  # fmt: skip
 @click.option("--max-tracked-blocks", "cap", type=int, default=None,
-              help="Override every policy's cap (default: each policy's own default).")  # fmt: skip
+              help="Override every policy's cap (default: each policy's own default); "
+                   "for guarded, the model's feature state only (its heuristics keep theirs).")  # fmt: skip
 def soak(num_blocks: int, per_request: int, samples: int, policies: str, cap: int | None) -> None:
     """RSS per policy over millions of distinct blocks: does it plateau?"""
     names = [p.strip() for p in policies.split(",") if p.strip()]
