@@ -29,7 +29,6 @@ PNG plots, and the model with a signature, registered and aliased on request.
 
 from __future__ import annotations
 
-import copy
 import hashlib
 import logging
 import time
@@ -52,6 +51,7 @@ from predictor.oracle import FutureAccesses
 from training.dataset import Dataset, build_dataset
 from training.evaluate import PolicyEvaluation, evaluate_policies
 from training.metrics import TOP_K_FRACTIONS
+from training.replay_pool import replay_hit_ratios, start_replay_workers
 
 log = logging.getLogger(__name__)
 
@@ -205,10 +205,11 @@ def validate_on_holdout(
     if not holdout:
         raise TrainingError("the held-out part is empty; lower --train-fraction")
     blocks = holdout_capacities(holdout, capacities)
-    ratios: dict[str, list[float]] = {}
-    for name in (policy.name, *heuristics):
-        candidate = policy.fresh_copy() if name == policy.name else make_policy(name)
-        ratios[name] = holdout_hit_ratios(candidate, warm, holdout, blocks)
+    names = (policy.name, *heuristics)
+    candidates = [policy.fresh_copy() if n == policy.name else make_policy(n) for n in names]
+    ratios = dict(
+        zip(names, holdout_hit_ratios_many(candidates, warm, holdout, blocks), strict=True)
+    )
     table = ValidationTable(policy.name, tuple(capacities), blocks, ratios)
     best = max(heuristics, key=table.mean)
     model_mean, best_mean = table.mean(policy.name), table.mean(best)
@@ -259,13 +260,20 @@ def holdout_hit_ratios(
 ) -> list[float]:
     """Single-tier hit ratio of ``policy`` (a fresh one: it observes ``warm`` first) on
     ``holdout`` at each cache size."""
-    from training.replay import replay_single_tier
+    return holdout_hit_ratios_many([policy], warm, holdout, capacities_blocks)[0]
 
-    policy.observe_many(warm)
-    return [
-        replay_single_tier(copy.deepcopy(policy), holdout, capacity).hit_ratio
-        for capacity in capacities_blocks
-    ]
+
+def holdout_hit_ratios_many(
+    policies: Sequence[Policy],
+    warm: Sequence[BlocksAccessed],
+    holdout: Sequence[BlocksAccessed],
+    capacities_blocks: Sequence[int],
+) -> list[list[float]]:
+    """``holdout_hit_ratios`` of each policy, the replays side by side on the cores at
+    hand where they are long enough (``training.replay_pool``; same figures)."""
+    for policy in policies:
+        policy.observe_many(warm)
+    return replay_hit_ratios(policies, holdout, capacities_blocks)
 
 
 BLEND_MAX_ROWS = 200_000
@@ -348,11 +356,13 @@ def choose_chain_blend(
     if not holdout:
         return BlendChoice("chain blend: not kept (no held-out requests to check it on)", known)
     blocks = holdout_capacities(holdout, capacities)
-    if without is None:
-        without = holdout_hit_ratios(policy.fresh_copy(), warm, holdout, blocks)
+    plain = policy.fresh_copy() if without is None else None
     chain.blend = blend
     policy.chain = chain
-    with_blend = holdout_hit_ratios(policy.fresh_copy(), warm, holdout, blocks)
+    replays = [policy.fresh_copy()] + ([plain] if plain is not None else [])
+    with_blend, *rest = holdout_hit_ratios_many(replays, warm, holdout, blocks)
+    if without is None:
+        without = rest[0]
     mean_with, mean_without = float(np.mean(with_blend)), float(np.mean(without))
     figures = (
         f"held-out hit ratio {mean_with:.4f} with it, {mean_without:.4f} without "
@@ -548,6 +558,8 @@ def train_and_evaluate(
 
     split = next((i for i, e in enumerate(events) if e.ts_ms > test_cut), len(events))
     first_valid = next((i for i, e in enumerate(events) if e.ts_ms > valid_cut), split)
+    # The held-out replays' workers start now, beside the fits (which use one core).
+    start_replay_workers(events[first_valid:split], num_jobs=2 * len(config.gate_capacities))
     horizon_note = None
     horizon_choice: HorizonChoice | None = None
     if config.horizon_ms is None:
@@ -918,16 +930,20 @@ def choose_horizon(
     results: dict[int, tuple[float, LearnedPolicy]] = {}
     figures_of: dict[int, list[float]] = {}
     skipped: list[str] = []
+    fitted: dict[int, LearnedPolicy] = {}
     for horizon_ms in train.horizons_ms:
         try:
-            policy = fit_learned(
+            fitted[horizon_ms] = fit_learned(
                 name, train, valid, horizon_ms=horizon_ms, seed=seed, model_params=model_params
             )
         except TrainingError:
             skipped.append(f"{horizon_ms / 1000:g} s")
-            continue
-        figures_of[horizon_ms] = holdout_hit_ratios(policy.fresh_copy(), warm, holdout, blocks)
-        results[horizon_ms] = (float(np.mean(figures_of[horizon_ms])), policy)
+    replays = [policy.fresh_copy() for policy in fitted.values()]
+    for (horizon_ms, policy), ratios in zip(
+        fitted.items(), holdout_hit_ratios_many(replays, warm, holdout, blocks), strict=True
+    ):
+        figures_of[horizon_ms] = ratios
+        results[horizon_ms] = (float(np.mean(ratios)), policy)
     if not results:
         raise TrainingError(
             "every candidate horizon gives single-class training rows; use a longer trace"
@@ -1037,6 +1053,7 @@ def fit_policy_on_events(
     valid = dataset.take(np.flatnonzero(dataset.ts_ms > cut))
     quick_params = quick_model_params(name)
     warm, holdout = events[:split], events[split:]
+    start_replay_workers(holdout, num_jobs=2 * len(GATE_CAPACITIES))  # beside the fits
     choice: HorizonChoice | None = None
     if horizon_ms is None:
         choice = choose_horizon(
