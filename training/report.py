@@ -7,10 +7,15 @@ sidecar loop for every policy and capacity:
 - single tier (demand caching): hit ratios of kvwarm's policies through the planner,
   exact LRU / Belady / Belady-with-bypass on the same block sequence, and
   libCacheSim's policies on the same sequence; share of the LRU-to-Belady gap closed.
-- tiered with prefetch (``tiered_rows``): TTFT percentiles, throughput, per-tier hit
+- tiered with prefetch (``submit_tiered``, ``tiered_rows``): TTFT percentiles, throughput, per-tier hit
   ratios, bytes moved, prefetch precision and timeliness, against "no cache" (HBM
   only) and "no prewarm" (LRU, loads booked when the request is scheduled), with the
   oracle as the upper reference; open loop or closed loop (``concurrency``).
+
+Each (capacity, policy) replay of either setting is a job of a
+``training.replay_pool.JobRunner``: on worker processes, side by side, when the replayed
+part is long enough (the tables are the same as a serial run's: each job replays an
+exact copy of the policy state the serial run would), here otherwise.
 
 Results are plain dicts (``ComparisonReport.to_dict``) so they go to JSON, MLflow and
 the README table unchanged.
@@ -37,7 +42,9 @@ from predictor.guard import memory_capacity_blocks
 from predictor.learned import LearnedPolicy
 from predictor.oracle import FutureAccesses
 from predictor.registry import make_policy
+from serving.planner import PlannerParams
 from training.replay import (
+    SingleTierResult,
     distinct_blocks,
     gap_closed,
     reference_hit_ratios,
@@ -46,6 +53,7 @@ from training.replay import (
     split_events,
     spread_ties,
 )
+from training.replay_pool import Job, JobRunner, Shared, planned_workers
 from training.tiered import (
     TieredResult,
     TieredSetup,
@@ -263,105 +271,130 @@ def run_comparison(
             )
         return _fresh(name, trained, future, warm, train)
 
-    from serving.planner import PlannerParams
-
     planner = PlannerParams(
         eviction_sample=config.eviction_sample,
         evict_ahead_visits=config.evict_ahead_visits,
         seed=config.seed,
     )
-    for fraction in config.capacities:
-        capacity = max(1, int(fraction * num_distinct))
-        if "single" in config.modes:
-            say(f"single tier, capacity {fraction:g} ({capacity:,} blocks)")
-            refs = reference_hit_ratios(test, capacity)
-            rows: dict[str, float] = {}
-            seconds: dict[str, float] = {}
-            guard_choice: dict[str, Any] = {}
-            for name in config.policies:
-                policy = fresh(name, capacity)
-                result = replay_single_tier(policy, test, capacity, planner_params=planner)
-                rows[name] = result.hit_ratio
-                seconds[name] = result.seconds
-                if "guard" in policy.online_status():
-                    guard_choice[name] = policy.online_status()["guard"]
-            peers: dict[str, Any] = {}
-            if config.peers:
-                peers = _peer_ratios(test, capacity)
-            report.single.append(
-                {
-                    "capacity": fraction,
-                    "capacity_blocks": capacity,
-                    "references": refs,
-                    "policies": rows,
-                    "policy_seconds": seconds,
-                    "guard": guard_choice,
-                    "peers": peers,
-                    "gap_closed": {
-                        name: gap_closed(v, refs["lru_exact"], refs["belady"])
-                        for name, v in {**rows, **peers.get("hit_ratios", {})}.items()
-                    },
-                }
-            )
-        if "tiered" in config.modes:
-            say(f"tiered with prefetch, HBM capacity {fraction:g} ({capacity:,} blocks)")
-            setup = TieredSetup(
-                profile=profile,
-                hbm_capacity_blocks=capacity,
-                planner=planner,
-                concurrency=config.concurrency,
-                think_ms=config.think_ms,
-                seed=config.seed,
-            )
-            report.tiered.extend(
-                tiered_rows(
-                    functools.partial(
-                        fresh,
-                        capacity_blocks=capacity,
-                        outer_capacity_blocks=memory_capacity_blocks(
-                            setup.profile.tier_names, setup.capacities_blocks()
-                        ),
-                    ),
-                    config.policies,
-                    test,
-                    setup,
-                    fraction=fraction,
-                    ttft=report.tiered_ttft,
+    # Every (capacity, policy) replay is a job: side by side on the usable cores when
+    # they are long enough (``training.replay_pool``; the same figures either way).
+    # Jobs are queued capacity by capacity and read back in the same order.
+    modes = config.modes
+    per_capacity = len(config.policies) * (("single" in modes) + ("tiered" in modes)) + 2
+    accesses = int(report.trace["replay_block_accesses"])
+    workers = planned_workers(per_capacity * len(config.capacities), accesses)
+    with JobRunner(workers) as runner:
+        if runner.parallel:
+            say(f"replaying side by side on {workers} worker processes")
+        trace = runner.share(list(test))
+        queued: list[tuple[float, int, dict[str, Job], TieredSetup | None, list[Job]]] = []
+        for fraction in config.capacities:
+            capacity = max(1, int(fraction * num_distinct))
+            single: dict[str, Job] = {}
+            if "single" in modes:
+                for name in config.policies:
+                    single[name] = runner.submit(
+                        _single_tier_job, fresh(name, capacity), trace, capacity, planner
+                    )
+            setup: TieredSetup | None = None
+            tiered: list[Job] = []
+            if "tiered" in modes:
+                setup = TieredSetup(
+                    profile=profile,
+                    hbm_capacity_blocks=capacity,
+                    planner=planner,
+                    concurrency=config.concurrency,
+                    think_ms=config.think_ms,
+                    seed=config.seed,
                 )
-            )
+                make = functools.partial(
+                    fresh,
+                    capacity_blocks=capacity,
+                    outer_capacity_blocks=memory_capacity_blocks(
+                        setup.profile.tier_names, setup.capacities_blocks()
+                    ),
+                )
+                tiered = submit_tiered(runner, make, config.policies, trace, setup)
+            queued.append((fraction, capacity, single, setup, tiered))
+        for fraction, capacity, single, setup, tiered in queued:
+            if single:
+                say(f"single tier, capacity {fraction:g} ({capacity:,} blocks)")
+                refs = reference_hit_ratios(test, capacity)
+                rows: dict[str, float] = {}
+                seconds: dict[str, float] = {}
+                guard_choice: dict[str, Any] = {}
+                for name, job in single.items():
+                    result, guard = job.result()
+                    rows[name] = result.hit_ratio
+                    seconds[name] = result.seconds
+                    if guard is not None:
+                        guard_choice[name] = guard
+                peers: dict[str, Any] = {}
+                if config.peers:
+                    peers = _peer_ratios(test, capacity)
+                report.single.append(
+                    {
+                        "capacity": fraction,
+                        "capacity_blocks": capacity,
+                        "references": refs,
+                        "policies": rows,
+                        "policy_seconds": seconds,
+                        "guard": guard_choice,
+                        "peers": peers,
+                        "gap_closed": {
+                            name: gap_closed(v, refs["lru_exact"], refs["belady"])
+                            for name, v in {**rows, **peers.get("hit_ratios", {})}.items()
+                        },
+                    }
+                )
+            if setup is not None:
+                say(f"tiered with prefetch, HBM capacity {fraction:g} ({capacity:,} blocks)")
+                report.tiered.extend(
+                    tiered_rows(
+                        [job.result() for job in tiered],
+                        setup,
+                        fraction=fraction,
+                        ttft=report.tiered_ttft,
+                    )
+                )
     report.seconds = time.perf_counter() - started
     return report
 
 
-def tiered_rows(
+def submit_tiered(
+    runner: JobRunner,
     make: Callable[[str], Policy],
     policies: Sequence[str],
-    events: Sequence[BlocksAccessed],
+    events: Sequence[BlocksAccessed] | Shared,
+    setup: TieredSetup,
+) -> list[Job]:
+    """The tiered replays of one setting as jobs of ``runner``: the two baselines
+    (``no_cache``: HBM only; ``no_prewarm``: LRU over every tier, loads at scheduling),
+    then each policy with prewarming. ``make(name)`` returns a fresh policy that has
+    observed the training part."""
+    return [
+        runner.submit(
+            _tiered_job, make("lru"), events, setup,
+            {"prewarm": True, "speculative": False, "external": False, "label": NO_CACHE},
+        ),
+        runner.submit(
+            _tiered_job, make("lru"), events, setup,
+            {"prewarm": False, "speculative": False, "label": NO_PREWARM},
+        ),
+        *(runner.submit(_tiered_job, make(name), events, setup, {"label": name})
+          for name in policies),
+    ]  # fmt: skip
+
+
+def tiered_rows(
+    results: Sequence[TieredResult],
     setup: TieredSetup,
     *,
     fraction: float = 0.0,
     ttft: dict[str, Any] | None = None,
 ) -> list[dict[str, Any]]:
-    """The tiered table for one setting: the two baselines (``no_cache``: HBM only;
-    ``no_prewarm``: LRU over every tier, loads at scheduling) and every policy with
-    prewarming, each row with its TTFT and throughput change against both baselines.
-    ``make(name)`` returns a fresh policy that has observed the training part."""
-    results: list[TieredResult] = [
-        replay_tiered(
-            make("lru"),
-            events,
-            setup,
-            prewarm=True,
-            speculative=False,
-            external=False,
-            label=NO_CACHE,
-        ),
-        replay_tiered(
-            make("lru"), events, setup, prewarm=False, speculative=False, label=NO_PREWARM
-        ),
-    ]
-    for name in policies:
-        results.append(replay_tiered(make(name), events, setup, label=name))
+    """The tiered table of one setting from its replays (``submit_tiered``'s order):
+    each row with its TTFT and throughput change against both baselines."""
     rows: list[dict[str, Any]] = []
     for r in results:
         row = r.to_dict()
@@ -379,6 +412,23 @@ def tiered_rows(
         if ttft is not None:
             ttft[f"{r.policy}@{fraction:g}"] = r.ttft_ms
     return rows
+
+
+def _single_tier_job(
+    policy: Policy,
+    events: Sequence[BlocksAccessed],
+    capacity_blocks: int,
+    planner: PlannerParams,
+) -> tuple[SingleTierResult, dict[str, Any] | None]:
+    """One single-tier row's replay, and what its guard (if any) served at the end."""
+    result = replay_single_tier(policy, events, capacity_blocks, planner_params=planner)
+    return result, policy.online_status().get("guard")
+
+
+def _tiered_job(
+    policy: Policy, events: Sequence[BlocksAccessed], setup: TieredSetup, options: dict[str, Any]
+) -> TieredResult:
+    return replay_tiered(policy, events, setup, **options)
 
 
 def _saved_size_bytes(policy: Policy) -> int:

@@ -51,7 +51,13 @@ from predictor.oracle import FutureAccesses
 from training.dataset import Dataset, build_dataset
 from training.evaluate import PolicyEvaluation, evaluate_policies
 from training.metrics import TOP_K_FRACTIONS
-from training.replay_pool import replay_hit_ratios, start_replay_workers
+from training.replay_pool import (
+    MIN_PARALLEL_ROWS,
+    JobRunner,
+    planned_workers,
+    replay_hit_ratios,
+    start_replay_workers,
+)
 
 log = logging.getLogger(__name__)
 
@@ -515,6 +521,24 @@ def fit_learned(
     return policy
 
 
+def _fit_or_none(
+    name: str,
+    train: Dataset,
+    valid: Dataset,
+    horizon_ms: int,
+    seed: int,
+    model_params: dict[str, Any],
+) -> LearnedPolicy | None:
+    """``fit_learned`` as a job of ``choose_horizon``: None where the horizon's training
+    rows hold one class."""
+    try:
+        return fit_learned(
+            name, train, valid, horizon_ms=horizon_ms, seed=seed, model_params=model_params
+        )
+    except TrainingError:
+        return None
+
+
 def load_events(trace: str | Path) -> list[BlocksAccessed]:
     return [e for e in read_trace(trace) if isinstance(e, BlocksAccessed)]
 
@@ -931,13 +955,21 @@ def choose_horizon(
     figures_of: dict[int, list[float]] = {}
     skipped: list[str] = []
     fitted: dict[int, LearnedPolicy] = {}
-    for horizon_ms in train.horizons_ms:
-        try:
-            fitted[horizon_ms] = fit_learned(
-                name, train, valid, horizon_ms=horizon_ms, seed=seed, model_params=model_params
-            )
-        except TrainingError:
-            skipped.append(f"{horizon_ms / 1000:g} s")
+    # One fit per horizon, side by side on the replay workers when the rows are many
+    # (LightGBM on one thread each: the same trees as one after another here).
+    workers = planned_workers(len(train.horizons_ms), train.num_rows, MIN_PARALLEL_ROWS)
+    with JobRunner(workers) as runner:
+        train_rows, valid_rows = runner.share(train), runner.share(valid)
+        fits = {
+            h: runner.submit(_fit_or_none, name, train_rows, valid_rows, h, seed, model_params)
+            for h in train.horizons_ms
+        }
+        for horizon_ms, job in fits.items():
+            policy = job.result()
+            if policy is None:
+                skipped.append(f"{horizon_ms / 1000:g} s")
+            else:
+                fitted[horizon_ms] = policy
     replays = [policy.fresh_copy() for policy in fitted.values()]
     for (horizon_ms, policy), ratios in zip(
         fitted.items(), holdout_hit_ratios_many(replays, warm, holdout, blocks), strict=True

@@ -4,27 +4,32 @@ path, and the worker count follows ``KVWARM_REPLAY_WORKERS``."""
 
 from __future__ import annotations
 
-import copy
 import logging
 import os
+import subprocess
+import sys
+import time
 
 import numpy as np
 import pytest
 
 from features.decoders import decode_mooncake
 from features.generator import generate, params_for
-from predictor.baselines import LRUPolicy
 from predictor.registry import make_policy
+from training import replay_pool
+from training.dataset import build_dataset
 from training.replay import distinct_blocks, split_events
 from training.replay_pool import (
     MIN_PARALLEL_ACCESSES,
     STATS,
     WORKERS_ENV,
+    JobRunner,
+    _hit_ratio,
     planned_workers,
     replay_hit_ratios,
     usable_cpus,
 )
-from training.train import fit_policy_on_events
+from training.train import choose_horizon, fit_policy_on_events, quick_model_params
 
 
 @pytest.fixture(scope="module")
@@ -70,45 +75,44 @@ def test_a_policy_that_cannot_travel_is_replayed_here(chat, monkeypatch, caplog)
     learned, warm, holdout = chat
     policies = _warmed(learned, warm)
     n = distinct_blocks(holdout)
+    capacities = [n // 20, n // 10]  # the same state twice: each replay on a copy
     monkeypatch.setenv(WORKERS_ENV, "1")
-    serial = replay_hit_ratios(policies, holdout, [n // 20])
+    serial = replay_hit_ratios(policies, holdout, capacities)
     policies[1].unpicklable = lambda: None  # a lambda does not pickle
     monkeypatch.setenv(WORKERS_ENV, "2")
     with caplog.at_level(logging.WARNING, logger="training.replay_pool"):
-        figures = replay_hit_ratios(policies, holdout, [n // 20])
+        figures = replay_hit_ratios(policies, holdout, capacities)
     assert figures == serial
-    assert "serially" in caplog.text, caplog.text
+    assert "run here instead" in caplog.text and "not sent" in caplog.text, caplog.text
 
 
-class _DiesInAWorker(LRUPolicy):
-    """Unpickling it ends the process: a worker killed mid-job."""
-
-    def __reduce__(self):
-        return (os._exit, (3,))
-
-    def __deepcopy__(self, memo):
-        clone = LRUPolicy.__new__(type(self))
-        clone.__dict__ = copy.deepcopy(self.__dict__, memo)
-        return clone
-
-
-def test_a_worker_that_dies_leaves_its_jobs_to_this_process(chat, monkeypatch, caplog):
+def test_workers_killed_mid_run_leave_their_jobs_to_this_process(chat, monkeypatch, caplog):
     _, warm, holdout = chat
     n = distinct_blocks(holdout)
     capacities = [n // 20, n // 10]
-    policies = [make_policy("lfu"), _DiesInAWorker()]
+    policies = [make_policy("lfu"), make_policy("lru2")]
     for policy in policies:
         policy.observe_many(warm)
     monkeypatch.setenv(WORKERS_ENV, "1")
     serial = replay_hit_ratios(policies, holdout, capacities)
-    monkeypatch.setenv(WORKERS_ENV, "2")
     here = STATS.here
-    with caplog.at_level(logging.WARNING, logger="training.replay_pool"):
-        figures = replay_hit_ratios(policies, holdout, capacities)
-    assert figures == serial
-    assert STATS.here >= here + 2  # at least the dying policy's two jobs
+    with (
+        caplog.at_level(logging.WARNING, logger="training.replay_pool"),
+        JobRunner(2) as runner,
+    ):
+        assert runner.parallel
+        trace = runner.share(holdout)
+        jobs = [
+            runner.submit(_hit_ratio, runner.own(p), trace, c) for p in policies for c in capacities
+        ]
+        for worker in list(replay_pool._WORKERS):
+            worker.proc.kill()
+        figures = [job.result() for job in jobs]
+    assert figures == [v for row in serial for v in row]
+    assert STATS.here > here  # what the dead workers held ran here
     assert "replay worker stopped" in caplog.text, caplog.text
     # The next call starts fresh workers in place of the dead ones.
+    monkeypatch.setenv(WORKERS_ENV, "2")
     done = STATS.in_workers
     assert replay_hit_ratios(policies[:1], holdout, capacities) == serial[:1]
     assert STATS.in_workers == done + 2
@@ -129,3 +133,66 @@ def test_the_worker_count_follows_the_setting_and_the_size(monkeypatch):
         monkeypatch.setenv(WORKERS_ENV, bad)
         with pytest.raises(ValueError, match=WORKERS_ENV):
             planned_workers(12, 10)
+
+
+def test_workers_end_with_the_process_that_started_them(tmp_path):
+    """A SIGKILLed trainer (no exit handler runs) leaves no worker replaying on."""
+    script = tmp_path / "parent.py"
+    script.write_text(
+        "import os, time\n"
+        "from training import replay_pool\n"
+        "with replay_pool.JobRunner(2) as runner:\n"
+        "    print(*(w.proc.pid for w in replay_pool._WORKERS), flush=True)\n"
+        "    runner.submit(time.sleep, 60)\n"
+        "    time.sleep(60)\n"
+    )
+    env = {**os.environ, WORKERS_ENV: "2"}
+    parent = subprocess.Popen(
+        [sys.executable, str(script)], stdout=subprocess.PIPE, text=True, env=env
+    )
+    assert parent.stdout is not None
+    pids = [int(p) for p in parent.stdout.readline().split()]
+    assert len(pids) == 2
+    time.sleep(0.5)
+    parent.kill()
+    parent.wait()
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline and any(_alive(pid) for pid in pids):
+        time.sleep(0.1)
+    assert not any(_alive(pid) for pid in pids)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            return fh.read().split(")")[-1].split()[0] != "Z"  # a zombie has ended
+    except FileNotFoundError:
+        return False
+
+
+def test_the_horizon_choice_fits_on_workers_as_it_does_here(monkeypatch):
+    """The quick fits of ``choose_horizon`` as jobs: the same trees, figures and choice."""
+    rows = generate(params_for("agent", num_requests=500, seed=2))
+    events = [decode_mooncake(row, str(i)) for i, row in enumerate(rows)]
+    dataset = build_dataset(events, horizons_ms=(2_000, 60_000))
+    cut = events[int(len(events) * 0.6)].ts_ms
+    train = dataset.take(np.flatnonzero(dataset.ts_ms <= cut), end_ts_ms=cut)
+    valid = dataset.take(np.flatnonzero(dataset.ts_ms > cut))
+    warm, holdout = split_events(events, 0.75)
+    choices = {}
+    for workers in ("1", "2"):
+        monkeypatch.setenv(WORKERS_ENV, workers)
+        done = STATS.in_workers
+        choices[workers] = choose_horizon(
+            "lightgbm", train, valid, warm, holdout, model_params=quick_model_params("lightgbm")
+        )
+        ran_there = STATS.in_workers - done
+        assert ran_there == (0 if workers == "1" else 2 + 2 * 3)  # 2 fits, 6 replays
+    here, there = choices["1"], choices["2"]
+    assert (there.horizon_ms, there.note, there.hit_ratios) == (
+        here.horizon_ms,
+        here.note,
+        here.hit_ratios,
+    )
+    probe = train.X[:500]
+    assert np.array_equal(there.policy.predict_features(probe), here.policy.predict_features(probe))
