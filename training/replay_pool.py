@@ -235,10 +235,10 @@ class Job:
 class JobRunner:
     """Calls of module-level functions on the kept workers (``workers`` > 0), or here.
 
-    ``submit(fn, *args)`` returns a ``Job`` at once. With workers, the call is pickled
-    then (``share(value)`` arguments once per worker), so the caller may change or drop
-    what it passed; without, it runs at ``result()`` on the objects given (``own(x)``
-    gives a job a copy of what the caller keeps using). A worker that dies or fails a
+    ``submit(fn, *args)`` returns a ``Job``. With workers, the call is pickled then
+    (``share(value)`` arguments once per worker), so the caller may change or drop what
+    it passed; without, it runs then, on the objects given (``own(x)`` gives a job a
+    copy of what the caller keeps using). A worker that dies or fails a
     job leaves it, and the queued ones no other worker takes, to ``result()``. As a
     context manager, leaving waits for the workers to finish what they took (an
     exception ends them at once). One runner holds the workers at a time; another made
@@ -286,9 +286,12 @@ class JobRunner:
         return value if self.parallel else copy.deepcopy(value)
 
     def submit(self, fn: Callable[..., Any], *args: Any) -> Job:
-        """Queue ``fn(*args)`` (``fn`` importable by a worker: module level)."""
+        """Queue ``fn(*args)`` (``fn`` importable by a worker: module level). Without
+        workers it runs now: one job's state in memory at a time, as a plain loop."""
         if not self.parallel:
-            return Job(fn, args)
+            job = Job(fn, args)
+            job.result()
+            return job
         try:
             blob = pickle.dumps((fn, args), protocol=pickle.HIGHEST_PROTOCOL)
         except Exception as exc:  # noqa: BLE001 - it runs here instead, on copies

@@ -292,6 +292,7 @@ def run_comparison(
             capacity = max(1, int(fraction * num_distinct))
             single: dict[str, Job] = {}
             if "single" in modes:
+                say(f"single tier, capacity {fraction:g} ({capacity:,} blocks)")
                 for name in config.policies:
                     single[name] = runner.submit(
                         _single_tier_job, fresh(name, capacity), trace, capacity, planner
@@ -299,6 +300,7 @@ def run_comparison(
             setup: TieredSetup | None = None
             tiered: list[Job] = []
             if "tiered" in modes:
+                say(f"tiered with prefetch, HBM capacity {fraction:g} ({capacity:,} blocks)")
                 setup = TieredSetup(
                     profile=profile,
                     hbm_capacity_blocks=capacity,
@@ -318,7 +320,6 @@ def run_comparison(
             queued.append((fraction, capacity, single, setup, tiered))
         for fraction, capacity, single, setup, tiered in queued:
             if single:
-                say(f"single tier, capacity {fraction:g} ({capacity:,} blocks)")
                 refs = reference_hit_ratios(test, capacity)
                 rows: dict[str, float] = {}
                 seconds: dict[str, float] = {}
@@ -348,7 +349,6 @@ def run_comparison(
                     }
                 )
             if setup is not None:
-                say(f"tiered with prefetch, HBM capacity {fraction:g} ({capacity:,} blocks)")
                 report.tiered.extend(
                     tiered_rows(
                         [job.result() for job in tiered],
