@@ -238,11 +238,11 @@ class JobRunner:
     ``submit(fn, *args)`` returns a ``Job``. With workers, the call is pickled then
     (``share(value)`` arguments once per worker), so the caller may change or drop what
     it passed; without, it runs then, on the objects given (``own(x)`` gives a job a
-    copy of what the caller keeps using). A worker that dies or fails a
-    job leaves it, and the queued ones no other worker takes, to ``result()``. As a
-    context manager, leaving waits for the workers to finish what they took (an
-    exception ends them at once). One runner holds the workers at a time; another made
-    meanwhile runs its jobs here."""
+    copy of what the caller keeps using). A worker that dies or fails a job leaves it,
+    and the queued ones no other worker takes, to ``result()`` (a job that raises in a
+    worker raises again there, with its traceback). As a context manager, leaving waits
+    for the workers to finish what they took (an exception ends them at once). One
+    runner holds the workers at a time; another made meanwhile runs its jobs here."""
 
     def __init__(self, workers: int) -> None:
         self._queue: queue.SimpleQueue[Job | None] = queue.SimpleQueue()
