@@ -196,3 +196,13 @@ def test_the_horizon_choice_fits_on_workers_as_it_does_here(monkeypatch):
     )
     probe = train.X[:500]
     assert np.array_equal(there.policy.predict_features(probe), here.policy.predict_features(probe))
+
+
+def test_a_job_that_raises_in_a_worker_raises_in_the_caller(caplog):
+    with caplog.at_level(logging.WARNING, logger="training.replay_pool"), JobRunner(2) as runner:
+        assert runner.parallel
+        job = runner.submit(int, "not a number")
+        with pytest.raises(ValueError, match="not a number"):
+            job.result()
+        assert runner.submit(int, "42").result() == 42
+    assert "ValueError" in caplog.text, caplog.text  # what the worker said
