@@ -183,9 +183,10 @@ class Shared:
 
     def __init__(self, value: Any, parallel: bool) -> None:
         self.value = value
-        self.blob = pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL) if parallel else b""
-        self.key = hashlib.blake2b(self.blob, digest_size=16).digest()
+        self.blob, self.key = b"", b""
         if parallel:
+            self.blob = pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL)
+            self.key = hashlib.blake2b(self.blob, digest_size=16).digest()
             _SHARES[self.key] = value
 
     def __reduce__(self) -> tuple[Callable[[bytes], Any], tuple[bytes]]:
@@ -199,18 +200,23 @@ class Job:
     """One submitted call; ``result()`` is its value: a worker's, or computed here then
     (from the arguments as they were submitted) where no worker did it."""
 
-    def __init__(self, fn: Callable[..., Any], args: tuple[Any, ...], blob: bytes = b"") -> None:
-        self._call: tuple[Callable[..., Any], tuple[Any, ...]] | None = (fn, args)
+    def __init__(
+        self,
+        fn: Callable[..., Any],
+        args: tuple[Any, ...],
+        blob: bytes = b"",
+        shares: dict[bytes, bytes] | None = None,
+    ) -> None:
+        self._call = None if blob else (fn, args)  # with a blob, the pickle holds them
         self.blob = blob
         """The pickled call (with workers): what a worker gets, and what runs here if
         none did."""
-        self.shares: dict[bytes, bytes] = {}
+        self.shares = shares or {}
+        """The ``Shared`` arguments' pickles by key (sent to a worker that lacks them)."""
         self.done = threading.Event()
         self._value: Any = None
         self._ok = False
-        if blob:
-            self._call = None  # the pickle holds the arguments
-        else:
+        if not blob:
             self.done.set()
 
     def finish(self, ok: bool, value: Any = None) -> None:
@@ -297,8 +303,7 @@ class JobRunner:
         except Exception as exc:  # noqa: BLE001 - it runs here instead, on copies
             self._fail(f"{fn.__name__} not sent to a worker: {type(exc).__name__}: {exc}")
             return Job(fn, copy.deepcopy(args))
-        job = Job(fn, args, blob)
-        job.shares = {a.key: a.blob for a in args if isinstance(a, Shared)}
+        job = Job(fn, args, blob, {a.key: a.blob for a in args if isinstance(a, Shared)})
         self._slots.acquire()
         with self._lock:
             if self._driving == 0:  # every worker gone: here, at result()
@@ -352,21 +357,27 @@ class JobRunner:
                 self._fail(str(exc))
                 if worker.alive():
                     continue
-                with self._lock:  # a dead worker: the others, or result(), do the rest
-                    self._driving -= 1
-                    if self._driving == 0:
-                        while True:
-                            try:
-                                left = self._queue.get_nowait()
-                            except queue.Empty:
-                                break
-                            if left is not None:
-                                self._slots.release()
-                                left.finish(False)
+                self._lose_driver()
                 return
             job.finish(True, value)
             with self._lock:
                 STATS.in_workers += 1
+
+    def _lose_driver(self) -> None:
+        """A worker died: the others take the queue; after the last, ``result()`` runs
+        what is left (queued now or submitted later)."""
+        with self._lock:
+            self._driving -= 1
+            if self._driving > 0:
+                return
+            while True:
+                try:
+                    left = self._queue.get_nowait()
+                except queue.Empty:
+                    return
+                if left is not None:
+                    self._slots.release()
+                    left.finish(False)
 
 
 class _WorkerError(Exception):

@@ -362,11 +362,12 @@ def choose_chain_blend(
     if not holdout:
         return BlendChoice("chain blend: not kept (no held-out requests to check it on)", known)
     blocks = holdout_capacities(holdout, capacities)
-    plain = policy.fresh_copy() if without is None else None
+    plain = [policy.fresh_copy()] if without is None else []  # copied before the blend
     chain.blend = blend
     policy.chain = chain
-    replays = [policy.fresh_copy()] + ([plain] if plain is not None else [])
-    with_blend, *rest = holdout_hit_ratios_many(replays, warm, holdout, blocks)
+    with_blend, *rest = holdout_hit_ratios_many(
+        [policy.fresh_copy(), *plain], warm, holdout, blocks
+    )
     if without is None:
         without = rest[0]
     mean_with, mean_without = float(np.mean(with_blend)), float(np.mean(without))
