@@ -44,12 +44,14 @@ from __future__ import annotations
 
 import itertools
 import math
+import operator
 import sys
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 import numpy as np
 
+from features import native_rows
 from features.events import AllBlocksCleared, BlockRemoved, BlocksAccessed, BlockStored, Tier
 from features.feature_set import (
     DEFAULT_HALF_LIVES_S,
@@ -198,6 +200,48 @@ class _Columns:
         self.request_level = np.array([at[n] for n in request_level(self.names)], dtype=np.intp)
 
 
+class _NativeLayout:
+    """Where ``features.native_rows``' kernel reads and writes (see native_rows.c): one
+    int64 array of the source columns, the destination columns, the tier rank of each
+    tier mask and the row width, made once per state; and the addresses of the state's
+    tables, looked up again only when a table is replaced (the state grew)."""
+
+    DST, TIER_RANKS, WIDTH, SIZE = 64, 128, 136, 137
+
+    def __init__(self, state: FeatureState) -> None:
+        c, p = state._cols, state.params
+        at = c.at
+        src = [_LAST, _CHILD, _EXT, _FIRST, _REQORD, _REQLEN, _HITLEN, _ROOT, _COUNT]
+        src += [_DEPTH, _PARENT, _FLAGS, _TIERS, p.num_gaps, len(p.half_lives_s)]
+        src += [state._root_hl, len(_DIRECT_SRC), len(c.request_level), *_DIRECT_SRC]
+        dst = [at["known"], c.gap0, c.dec0, *c.since_last_first]
+        dst += [at["requests_since_last_access"], at["blocks_to_tail"], at["ever_tail"]]
+        dst += [at["last_request_hit_fraction"], *c.child_ext]
+        dst += [at["parent_time_since_last_access_ms"], at["parent_access_count"]]
+        dst += [at[_ROOT_DECAYED_NAME], at["root_time_since_extended_ms"], at["tier_rank"]]
+        dst += [*c.direct_dst, *c.request_level]
+        self.fits = len(src) <= self.DST and len(dst) <= self.TIER_RANKS - self.DST
+        """False: more columns than the kernel's layout holds; rows stay on numpy."""
+        self.width = len(state.feature_names)
+        self.array = np.zeros(self.SIZE, dtype=np.int64)
+        self.array[: len(src)] = src
+        self.array[self.DST : self.DST + len(dst)] = dst[: self.TIER_RANKS - self.DST]
+        self.array[self.TIER_RANKS : self.WIDTH].view(np.float32)[:] = _TIER_RANK_OF_MASK
+        self.array[self.WIDTH] = self.width
+        self.static_args = self.array.ctypes.data
+        self.constants = np.array([MISSING, NO_TIER_RANK], dtype=np.float64)
+        self._tables: tuple[np.ndarray, ...] = ()
+        self._table_args: tuple[int, ...] = ()
+
+    def table_args(self, state: FeatureState) -> tuple[int, ...]:
+        """(address, row width) of the int64, int32, uint8 and float32 tables."""
+        tables = (state._i64, state._i32, state._u8, state._f32)
+        if len(self._tables) != 4 or not all(map(operator.is_, tables, self._tables)):
+            self._tables = tables
+            self._table_args = tuple(v for t in tables for v in (t.ctypes.data, t.shape[1]))
+        return self._table_args
+
+
 class FeatureState:
     """Per-block state of everything observed so far; see the module docstring."""
 
@@ -206,6 +250,7 @@ class FeatureState:
         p = self.params
         self.feature_names = p.feature_names
         self._cols = _Columns(self.feature_names)
+        self._native: _NativeLayout | None = None
         self._k = p.num_gaps
         self._inv_hl_ms = np.array([1.0 / (h * 1000.0) for h in p.half_lives_s], dtype=np.float64)
         self._max_inv_hl_ms = float(self._inv_hl_ms.max())
@@ -821,14 +866,47 @@ class FeatureState:
 
     # --- features --------------------------------------------------------------------
 
+    def __getstate__(self) -> dict[str, object]:
+        """Copies and pickles leave the native layout behind: it holds the addresses of
+        this state's tables, which a copy does not share."""
+        state = self.__dict__.copy()
+        state["_native"] = None
+        return state
+
     def features_for(self, block_hashes: np.ndarray | Iterable[int], now_ms: int) -> np.ndarray:
         """Feature rows (float32, one per hash, ``feature_names`` order) at ``now_ms``."""
         return self.features_for_slots(self.slot_of(block_hashes), now_ms)
 
-    def features_for_slots(self, slots: np.ndarray, now_ms: int) -> np.ndarray:
-        """Same as ``features_for`` for rows already looked up (-1 = unknown)."""
+    def features_for_slots(
+        self,
+        slots: np.ndarray,
+        now_ms: int,
+        *,
+        kernel: native_rows.FeatureRowsKernel | None | bool = True,
+    ) -> np.ndarray:
+        """Same as ``features_for`` for rows already looked up (-1 = unknown).
+
+        Computed by the native kernel (``features.native_rows``) when it is available,
+        else by numpy (``_rows_numpy``, the reference): the same rows bit for bit.
+        ``kernel``: True (the default) uses the process's kernel when there is one,
+        False numpy, or a given kernel (its self-test)."""
         # The state cannot look back in time: an instant before the latest access is
         # answered as of that access (keeps every value finite).
+        now_ms = max(now_ms, self.clock_ms)
+        fast = native_rows.kernel() if kernel is True else (kernel or None)
+        if fast is None or not self._native_layout().fits:
+            return self._rows_numpy(slots, now_ms)
+        sl = np.ascontiguousarray(slots, dtype=np.int64)
+        return fast.rows(self, sl, now_ms, self._dec_scale(now_ms), self._request_rates(now_ms))
+
+    def _native_layout(self) -> _NativeLayout:
+        """Column positions for the native kernel (made once per state)."""
+        if self._native is None:
+            self._native = _NativeLayout(self)
+        return self._native
+
+    def _rows_numpy(self, slots: np.ndarray, now_ms: int) -> np.ndarray:
+        """``features_for_slots`` in numpy (the reference definition)."""
         now_ms = max(now_ms, self.clock_ms)
         c = self._cols
         at = c.at
@@ -884,10 +962,10 @@ class FeatureState:
             out[unknown] = MISSING
             out[unknown, at["known"]] = 0.0
             out[unknown, at["tier_rank"]] = NO_TIER_RANK
-        self._fill_request_level(out, now_ms)
+        out[:, self._cols.request_level] = self._request_rates(now_ms)
         return out
 
-    def _fill_request_level(self, out: np.ndarray, now_ms: int) -> None:
+    def _request_rates(self, now_ms: int) -> list[float]:
         """Arrival rates at ``now_ms``, in ``request_level(feature_names)`` order."""
         dt_s = (now_ms - self.clock_ms) / 1000.0
         rates = [
@@ -896,7 +974,7 @@ class FeatureState:
         ]
         blocks = self._block_count * 2.0 ** (-dt_s / _BLOCK_RATE_HALF_LIFE_S)
         rates.append(blocks * _LN2 / _BLOCK_RATE_HALF_LIFE_S)
-        out[:, self._cols.request_level] = rates
+        return rates
 
     # --- memory ----------------------------------------------------------------------
 

@@ -35,13 +35,11 @@ import hashlib
 import logging
 import math
 import os
-import shutil
-import subprocess
-import tempfile
 from pathlib import Path
 
 import numpy as np
 
+from features import native_build
 from predictor.trees import TreeEnsemble
 
 log = logging.getLogger(__name__)
@@ -160,18 +158,7 @@ def self_test_rows(num_features: int, seed: int = 0) -> np.ndarray:
 
 
 def _cache_dir() -> Path:
-    base = os.environ.get("KVWARM_CACHE_DIR") or str(Path.home() / ".cache" / "kvwarm")
-    path = Path(base) / "trees"
-    try:
-        path.mkdir(parents=True, exist_ok=True)
-        probe = path / f".probe-{os.getpid()}"
-        probe.write_bytes(b"")
-        probe.unlink()
-        return path
-    except OSError:
-        fallback = Path(tempfile.gettempdir()) / f"kvwarm-trees-{os.getuid()}"
-        fallback.mkdir(parents=True, exist_ok=True)
-        return fallback
+    return native_build.cache_dir("trees")
 
 
 def _prune(directory: Path, keep: Path) -> None:
@@ -201,30 +188,18 @@ def compile_ensemble(ensemble: TreeEnsemble) -> CompiledTrees | None:
     if ensemble.feature.shape[0] > MAX_NODES:
         _fail(f"{ensemble.feature.shape[0]:,} nodes, over {MAX_NODES:,}")
         return None
-    compiler = os.environ.get("CC") or "cc"
-    if shutil.which(compiler) is None:
-        _fail(f"no C compiler ({compiler!r} not found; set CC)")
-        return None
     source = c_source(ensemble)
     digest = hashlib.sha256(source.encode()).hexdigest()[:32]
     directory = _cache_dir()
     library = directory / f"trees-{digest}.so"
-    if not library.is_file():
-        with tempfile.TemporaryDirectory(dir=directory) as tmp:
-            src, out = Path(tmp) / "trees.c", Path(tmp) / "trees.so"
-            src.write_text(source)
-            cmd = [compiler, "-O2", "-shared", "-fPIC", "-fno-math-errno", "-o", str(out), str(src)]
-            try:
-                done = subprocess.run(
-                    cmd, capture_output=True, text=True, timeout=COMPILE_TIMEOUT_S, check=False
-                )
-            except (OSError, subprocess.TimeoutExpired) as exc:
-                _fail(f"compiler did not finish: {exc}")
-                return None
-            if done.returncode != 0:
-                _fail(f"compiler exit {done.returncode}: {done.stderr.strip()[:300]}")
-                return None
-            os.replace(out, library)  # atomic: another process may be loading it
+    try:
+        built = native_build.build_library(
+            source, library, timeout_s=COMPILE_TIMEOUT_S, flags=("-O2", "-fno-math-errno")
+        )
+    except native_build.BuildError as exc:
+        _fail(str(exc))
+        return None
+    if built:
         _prune(directory, keep=library)
     else:
         with contextlib.suppress(OSError):

@@ -1,0 +1,197 @@
+"""The feature-row kernel: ``FeatureState``'s rows computed in one native call.
+
+A scoring call asks for ~70 rows (an eviction sample); the numpy path spends ~110 us
+on them in some forty small array operations, the kernel (``native_rows.c``) ~10 us
+including the call. Its rows are bit-identical to the numpy path's
+(``FeatureState._rows_numpy``, the reference definition): the same integer
+differences, the same double products and quotients, one rounding to float32 each,
+and no transcendental function in C (decay multipliers and arrival rates come in
+computed by numpy).
+
+``kernel()`` builds the library once per machine (``features.native_build``: the
+system C compiler, cached by source hash), self-tests it against the numpy path on a
+state with every kind of row (unknown blocks, blocks without parent or root, tiers,
+decayed counters) and returns it; or returns None, with the reason in
+``last_failure``, and rows stay on numpy: no compiler, a failed build or self-test,
+or ``KVWARM_FEATURE_ROWS=numpy``. The call holds the GIL (``ctypes.PyDLL``): it is
+microseconds, and no other thread can change the state's arrays under it.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import threading
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from features import native_build
+
+if TYPE_CHECKING:
+    from features.state import FeatureState
+
+log = logging.getLogger(__name__)
+
+ENV = "KVWARM_FEATURE_ROWS"
+"""``native`` (default: the kernel when it builds and passes its self-test) or ``numpy``."""
+BUILD_TIMEOUT_S = 60.0
+SOURCE = Path(__file__).with_name("native_rows.c")
+
+last_failure: str = ""
+"""Why ``kernel()`` returned None ("" when it did not)."""
+
+_lock = threading.Lock()
+_loaded: tuple[bool, FeatureRowsKernel | None] = (False, None)
+
+_P = ctypes.c_void_p
+_I = ctypes.c_int64
+
+
+class FeatureRowsKernel:
+    """The loaded ``kv_feature_rows``; ``rows(state, slots, now_ms)`` fills the rows."""
+
+    def __init__(self, library: Path) -> None:
+        self.library = library
+        fn = ctypes.PyDLL(str(library)).kv_feature_rows
+        fn.argtypes = [_P, _I, _P, _I, _P, _I, _P, _I, _P, _I, _P, _I, _I, _P, _P]
+        fn.restype = None
+        self._fn = fn
+
+    def rows(
+        self,
+        state: FeatureState,
+        slots: np.ndarray,
+        now_ms: int,
+        scale: np.ndarray,
+        rates: list[float],
+    ) -> np.ndarray:
+        """Rows of ``slots`` (int64, -1 = unknown) at ``now_ms``, the state's clock
+        already applied; ``scale`` and ``rates`` as the numpy path computes them."""
+        layout = state._native_layout()
+        n = slots.shape[0]
+        out = np.empty((n, layout.width), dtype=np.float32)
+        if n == 0:
+            return out
+        dbl = np.concatenate((layout.constants, scale, rates))
+        self._fn(
+            slots.ctypes.data, n, *layout.table_args(state), layout.static_args,
+            now_ms, state.num_requests, dbl.ctypes.data, out.ctypes.data,
+        )  # fmt: skip
+        return out
+        dbl = np.concatenate((layout.constants, scale, rates))
+        num = np.array([now_ms, state.num_requests], dtype=np.int64)
+        i64, i32, u8, f32 = state._i64, state._i32, state._u8, state._f32
+        self._fn(
+            slots.ctypes.data, n,
+            i64.ctypes.data, i64.shape[1], i32.ctypes.data, i32.shape[1],
+            u8.ctypes.data, u8.shape[1], f32.ctypes.data, f32.shape[1],
+            layout.src.ctypes.data, layout.dst.ctypes.data, num.ctypes.data, dbl.ctypes.data,
+            layout.tier_rank_of_mask.ctypes.data, out.ctypes.data, layout.width,
+        )  # fmt: skip
+        return out
+
+
+def kernel() -> FeatureRowsKernel | None:
+    """The self-tested kernel, built on first use, or None (see ``last_failure``)."""
+    global _loaded
+    done, loaded = _loaded
+    if done:
+        return loaded
+    with _lock:
+        if not _loaded[0]:
+            _loaded = (True, _load())
+        return _loaded[1]
+
+
+def reset() -> None:
+    """Forget the loaded kernel: the next ``kernel()`` builds, tests and decides again."""
+    global _loaded, last_failure
+    with _lock:
+        _loaded, last_failure = (False, None), ""
+
+
+def _fail(why: str) -> None:
+    global last_failure
+    last_failure = why
+    log.info("feature rows stay on numpy (%s)", why)
+
+
+def _load() -> FeatureRowsKernel | None:
+    global last_failure
+    if os.environ.get(ENV, "native").strip().lower() == "numpy":
+        _fail(f"{ENV}=numpy")
+        return None
+    try:
+        source = SOURCE.read_text()
+    except OSError as exc:
+        _fail(f"cannot read {SOURCE.name}: {exc}")
+        return None
+    flags = native_build.DEFAULT_FLAGS
+    library = native_build.library_path(
+        source, native_build.cache_dir("native"), "feature-rows", flags
+    )
+    try:
+        native_build.build_library(source, library, timeout_s=BUILD_TIMEOUT_S, flags=flags)
+        loaded = FeatureRowsKernel(library)
+    except (native_build.BuildError, OSError, AttributeError) as exc:
+        _fail(str(exc))
+        return None
+    why = self_test(loaded)
+    if why:
+        _fail(f"self-test failed: {why}")
+        return None
+    last_failure = ""
+    return loaded
+
+
+def self_test(candidate: FeatureRowsKernel) -> str:
+    """What differed from the numpy path's rows on a small state with every kind of
+    row, or "" when ``candidate`` gives them bit for bit."""
+    from features.events import BlocksAccessed, BlockStored, Tier
+    from features.state import FeatureParams, FeatureState
+
+    rng = np.random.default_rng(0)
+    state = FeatureState(FeatureParams(max_tracked_blocks=4_096, initial_capacity=64))
+    ts = 1_000
+    for i in range(300):
+        ts += int(rng.integers(0, 5_000))
+        base = int(rng.integers(1, 40)) * 1_000
+        depth = int(rng.integers(1, 24))
+        blocks = tuple(base + j for j in range(depth)) + (10_000_000 + i,)
+        state.observe(
+            BlocksAccessed(
+                ts_ms=ts,
+                request_id=f"r{i}",
+                block_hashes=blocks,
+                block_size_tokens=16,
+                session_id=f"s{i % 7}" if i % 3 else None,
+                input_tokens=None if i % 5 == 0 else 16 * len(blocks),
+                output_tokens=int(rng.integers(0, 500)),
+            )
+        )
+        if i % 11 == 0:
+            stored = BlockStored(
+                ts_ms=ts,
+                block_hashes=blocks[:3],
+                parent_block_hash=None,
+                block_size_tokens=16,
+                tier=Tier.HBM if i % 2 else Tier.NVME,
+            )
+            state.observe(stored)
+    hashes = np.concatenate((state.tracked_hashes(), np.array([1, 2, 3], dtype=np.uint64)))
+    slots = state.slot_of(hashes)
+    for now in (ts, ts + 1, ts + 3_600_000):
+        expected = state._rows_numpy(slots, now)
+        got = state.features_for_slots(slots, now, kernel=candidate)
+        if expected.shape != got.shape or not np.array_equal(expected, got):
+            where = np.argwhere(expected != got)
+            r, c = (int(v) for v in where[0]) if where.size else (-1, -1)
+            return (
+                f"row {r} column {state.feature_names[c] if c >= 0 else '?'} at now "
+                f"{now}: {got[r, c] if r >= 0 else got.shape} != "
+                f"{expected[r, c] if r >= 0 else expected.shape}"
+            )
+    return ""

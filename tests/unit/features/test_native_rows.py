@@ -1,0 +1,144 @@
+"""The native feature-row kernel equals the numpy rows bit for bit, and the state
+falls back to numpy (saying why) when the kernel cannot be built."""
+
+from __future__ import annotations
+
+import dataclasses
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from features import native_rows
+from features.decoders import decode_mooncake
+from features.generator import generate, params_for
+from features.state import FeatureParams, FeatureState
+from tests.unit.features.test_state_properties import PARAMS, streams
+
+needs_cc = pytest.mark.skipif(shutil.which("cc") is None, reason="no C compiler on this machine")
+
+
+@pytest.fixture
+def fresh_kernel(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    """A kernel built into an empty cache for this test, forgotten after it."""
+    monkeypatch.setenv("KVWARM_CACHE_DIR", str(tmp_path))
+    monkeypatch.delenv(native_rows.ENV, raising=False)
+    native_rows.reset()
+    yield
+    native_rows.reset()
+
+
+@needs_cc
+@settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    events=streams(),
+    params=PARAMS,
+    probe=st.lists(st.integers(0, 2**64 - 1), max_size=8),
+    later_ms=st.sampled_from([0, 1, 999, 3_600_000, 10**9]),
+)
+def test_kernel_rows_equal_numpy_rows(
+    events: list[object], params: FeatureParams, probe: list[int], later_ms: int
+) -> None:
+    kernel = native_rows.kernel()
+    assert kernel is not None, native_rows.last_failure
+    state = FeatureState(params)
+    for i, event in enumerate(events):
+        state.observe(event)
+        if i % 7 == 6 or i == len(events) - 1:
+            hashes = np.array(sorted(state._index)[:60] + probe, dtype=np.uint64)
+            slots = state.slot_of(hashes)
+            for now in (state.clock_ms - 5, state.clock_ms + later_ms):
+                got = state.features_for_slots(slots, now, kernel=kernel)
+                expected = state.features_for_slots(slots, now, kernel=False)
+                np.testing.assert_array_equal(got, expected)
+
+
+@needs_cc
+def test_kernel_rows_equal_numpy_rows_on_a_generated_trace(fresh_kernel) -> None:
+    """Every block of a chat workload at every request, as the replay asks."""
+    kernel = native_rows.kernel()
+    assert kernel is not None, native_rows.last_failure
+    state = FeatureState(FeatureParams(max_tracked_blocks=3_000))
+    checked = 0
+    for i, row in enumerate(generate(params_for("chat", num_requests=600, seed=5))):
+        event = decode_mooncake(row, str(i))
+        state.observe(event)
+        if i % 25 == 0:
+            slots = state.tracked_slots()
+            for now in (event.ts_ms, event.ts_ms + 61_000):
+                np.testing.assert_array_equal(
+                    state.features_for_slots(slots, now, kernel=kernel),
+                    state.features_for_slots(slots, now, kernel=False),
+                )
+            checked += slots.shape[0]
+    assert checked > 10_000 and state.num_evicted > 0  # the cap was reached too
+
+
+def test_without_a_compiler_rows_stay_on_numpy_and_say_why(
+    fresh_kernel, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("CC", "no-such-compiler-kvwarm")
+    assert native_rows.kernel() is None
+    assert "no-such-compiler-kvwarm" in native_rows.last_failure
+    state = FeatureState()
+    state.observe(decode_mooncake(next(generate(params_for("chat", num_requests=5))), "0"))
+    rows = state.features_for(state.tracked_hashes(), state.clock_ms)
+    assert rows.shape[0] == state.num_tracked and np.isfinite(rows).all()
+
+
+def test_told_numpy_the_kernel_is_not_built(fresh_kernel, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(native_rows.ENV, "numpy")
+    assert native_rows.kernel() is None
+    assert native_rows.last_failure == f"{native_rows.ENV}=numpy"
+
+
+@needs_cc
+def test_a_kernel_that_disagrees_with_numpy_is_refused(
+    fresh_kernel, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A kernel bug (ages off by one ms) fails the self-test; rows stay on numpy."""
+    right = native_rows.SOURCE.read_text()
+    wrong = right.replace("(float)(now - I[src[S_FIRST]])", "(float)(now + 1 - I[src[S_FIRST]])")
+    assert wrong != right
+    monkeypatch.setattr(native_rows, "SOURCE", _Source(wrong))
+    assert native_rows.kernel() is None
+    assert "self-test failed" in native_rows.last_failure and "age_ms" in native_rows.last_failure
+
+
+@dataclasses.dataclass
+class _Source:
+    text: str
+    name: str = "native_rows.c"
+
+    def read_text(self) -> str:
+        return self.text
+
+
+@needs_cc
+def test_copies_and_pickles_read_their_own_tables(fresh_kernel) -> None:
+    """The native layout keeps table addresses: a copy must not read the original's."""
+    import copy
+    import pickle
+
+    state = FeatureState()
+    events = [
+        decode_mooncake(r, str(i))
+        for i, r in enumerate(generate(params_for("chat", num_requests=300, seed=2)))
+    ]
+    for event in events[:150]:
+        state.observe(event)
+    hashes = state.tracked_hashes()
+    state.features_for(hashes, state.clock_ms)  # the layout is made and cached
+    twin, thawed = copy.deepcopy(state), pickle.loads(pickle.dumps(state))
+    del state  # its tables may be freed and reused
+    for event in events[150:]:
+        twin.observe(event)
+        thawed.observe(event)
+    now = twin.clock_ms + 5_000
+    for s in (twin, thawed):
+        np.testing.assert_array_equal(
+            s.features_for(hashes, now), s.features_for_slots(s.slot_of(hashes), now, kernel=False)
+        )
