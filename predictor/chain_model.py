@@ -294,20 +294,22 @@ class ChainTracker:
         out = np.empty((n, len(CHAIN_FEATURES)), dtype=np.float32)
         if n == 0:
             return out
-        chains = list(map(self.chains.__getitem__, leaves))
-
-        def column(name: str) -> np.ndarray:
-            return _column(chains, name, np.float64)
-
-        turns = column("turns")
-        since = np.maximum(0.0, now_ms - column("last_ts_ms"))
-        last_think = column("last_think_ms")
-        length = np.fromiter(map(len, map(attrgetter("blocks"), chains)), np.float64, count=n)
-        roots = map(self.root_requests.get, (c.blocks[0] for c in chains), itertools.repeat(0))
-        root_requests = np.fromiter(roots, dtype=np.float64, count=n)
-        mean_think = np.divide(
-            column("think_sum_ms"), turns - 1, out=np.full(n, -1.0), where=turns > 1
-        )
+        root_get = self.root_requests.get
+        # One pass over the chains into one float64 table (each int converted as
+        # fromiter would): turns, last_ts_ms, last_think_ms, think_sum_ms,
+        # prev_length, length, requests seen with the chain's first block. Each
+        # column contiguous, as fromiter made them: numpy's vector loops (log1p) may
+        # round differently from its strided ones.
+        turns, last_ts, last_think, think_sum, prev_length, length, root_requests = np.array(
+            [
+                (c.turns, c.last_ts_ms, c.last_think_ms, c.think_sum_ms, c.prev_length,
+                 len(c.blocks), root_get(c.blocks[0], 0))
+                for c in map(self.chains.__getitem__, leaves)
+            ],
+            dtype=np.float64,
+        ).T.copy()  # fmt: skip
+        since = np.maximum(0.0, now_ms - last_ts)
+        mean_think = np.divide(think_sum, turns - 1, out=np.full(n, -1.0), where=turns > 1)
         has_mean = mean_think >= 0
         out[:, 0] = turns
         out[:, 1] = np.log1p(since)
@@ -315,7 +317,7 @@ class ChainTracker:
         out[:, 3] = np.where(last_think >= 0, np.log1p(np.maximum(last_think, 0.0)), -1.0)
         out[:, 4] = np.divide(since, mean_think + 1.0, out=np.full(n, -1.0), where=has_mean)
         out[:, 5] = length
-        out[:, 6] = length - column("prev_length")
+        out[:, 6] = length - prev_length
         out[:, 7] = np.log1p(root_requests)
         out[:, 8] = (now_ms / 3_600_000.0) % 24.0
         return out
