@@ -102,3 +102,68 @@ void kv_feature_rows(const int64_t *slots, int64_t n, const int64_t *i64, int64_
         for (int64_t j = 0; j < num_rl; ++j) o[rl_dst[j]] = (float)rates[j];
     }
 }
+
+/* One request's update of its blocks' rows: the native twin of the numpy block at
+ * the end of FeatureState._observe_access (_observe_rows_numpy), bit for bit. Rows
+ * are gathered first and written back in request order, so a block read twice by
+ * one request ends as numpy leaves it (the last position's copy wins).
+ *
+ * obs (int64): LAST, CHILD, EXT, FIRST (int64 columns); REQORD, COUNT, DEPTH, PARENT,
+ *     NCHILD (int32 columns; REQORD..REQORD+7 are the per-request columns, ROOT
+ *     last); FLAGS (uint8 column); k; num_hl; ever_tail flag.
+ * vals (int64): the 7 per-request values before ROOT (request ordinal, length, input
+ *     and output tokens, hit length, turn, turn gap), each within int32.
+ * new_pos: positions of blocks new to the state, ascending.
+ * scratch: n * (w64 * 8 + w32 * 4 + wf * 4) bytes.
+ */
+enum { O_LAST, O_CHILD, O_EXT, O_FIRST, O_REQORD, O_COUNT, O_DEPTH, O_PARENT, O_NCHILD,
+       O_FLAGS, O_K, O_NUM_HL, O_EVER_TAIL };
+
+void kv_observe_rows(const int64_t *sl, int64_t n, int64_t *i64, int64_t w64, int32_t *i32,
+                     int64_t w32, uint8_t *u8, int64_t w8, float *f32, int64_t wf,
+                     const int64_t *obs, int64_t t, const float *weights,
+                     const int64_t *new_pos, int64_t num_new, const int64_t *vals,
+                     int64_t *scored, unsigned char *scratch) {
+    const int64_t k = obs[O_K], num_hl = obs[O_NUM_HL];
+    int64_t *I = (int64_t *)scratch;
+    int32_t *J = (int32_t *)(I + n * w64);
+    float *F = (float *)(J + n * w32);
+    for (int64_t i = 0; i < n; ++i) {
+        for (int64_t c = 0; c < w64; ++c) I[i * w64 + c] = i64[sl[i] * w64 + c];
+        for (int64_t c = 0; c < w32; ++c) J[i * w32 + c] = i32[sl[i] * w32 + c];
+        for (int64_t c = 0; c < wf; ++c) F[i * wf + c] = f32[sl[i] * wf + c];
+    }
+    for (int64_t i = 0; i < n; ++i) {
+        int64_t *Ii = I + i * w64;
+        int32_t *Ji = J + i * w32;
+        float *Fi = F + i * wf;
+        for (int64_t g = k - 1; g >= 1; --g) Fi[g] = Fi[g - 1]; /* shift the gaps */
+        if (k > 0) Fi[0] = (float)(t - Ii[obs[O_LAST]]);
+        for (int64_t h = 0; h < num_hl; ++h) Fi[k + h] = Fi[k + h] + weights[h];
+        Ii[obs[O_LAST]] = t;
+        if (i < n - 1) Ii[obs[O_CHILD]] = t + 1;
+    }
+    /* A new block is first seen now, and a new child of the block before it. */
+    for (int64_t j = 0; j < num_new; ++j) {
+        const int64_t p = new_pos[j];
+        I[p * w64 + obs[O_FIRST]] = t;
+        if (p > 0) J[(p - 1) * w32 + obs[O_NCHILD]] += 1;
+    }
+    if (num_new > 0)
+        for (int64_t i = 0; i < new_pos[num_new - 1]; ++i) I[i * w64 + obs[O_EXT]] = t + 1;
+    for (int64_t i = 0; i < n; ++i) {
+        int32_t *Ji = J + i * w32;
+        for (int64_t v = 0; v < 7; ++v) Ji[obs[O_REQORD] + v] = (int32_t)vals[v];
+        Ji[obs[O_REQORD] + 7] = (int32_t)sl[0];
+        Ji[obs[O_COUNT]] += 1;
+        Ji[obs[O_DEPTH]] = (int32_t)i;
+        Ji[obs[O_PARENT]] = i == 0 ? -1 : (int32_t)sl[i - 1];
+    }
+    for (int64_t i = 0; i < n; ++i) {
+        for (int64_t c = 0; c < w64; ++c) i64[sl[i] * w64 + c] = I[i * w64 + c];
+        for (int64_t c = 0; c < w32; ++c) i32[sl[i] * w32 + c] = J[i * w32 + c];
+        for (int64_t c = 0; c < wf; ++c) f32[sl[i] * wf + c] = F[i * wf + c];
+        scored[sl[i]] = 0;
+    }
+    u8[sl[n - 1] * w8 + obs[O_FLAGS]] |= (uint8_t)obs[O_EVER_TAIL];
+}

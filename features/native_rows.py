@@ -1,12 +1,14 @@
-"""The feature-row kernel: ``FeatureState``'s rows computed in one native call.
+"""The feature-state kernels: ``FeatureState``'s per-request work in native calls.
 
-A scoring call asks for ~70 rows (an eviction sample); the numpy path spends ~110 us
-on them in some forty small array operations, the kernel (``native_rows.c``) ~10 us
-including the call. Its rows are bit-identical to the numpy path's
-(``FeatureState._rows_numpy``, the reference definition): the same integer
-differences, the same double products and quotients, one rounding to float32 each,
-and no transcendental function in C (decay multipliers and arrival rates come in
-computed by numpy).
+Two hot paths of every learned replay and sidecar, each one call into
+``native_rows.c``: the rows of a scoring call (~100 candidates of an eviction sample:
+~50 us in some forty small numpy operations, ~15 us native including the call), and
+the update of one request's blocks (``kv_observe_rows``). Both are bit-identical to
+the numpy code kept as the reference definition and the fallback
+(``FeatureState._rows_numpy``, ``FeatureState._observe_rows_numpy``): the same integer
+differences, the same double products and quotients, float32 sums in float32, one
+rounding to float32 each, and no transcendental function in C (decay multipliers and
+arrival rates come in computed by numpy).
 
 ``kernel()`` builds the library once per machine (``features.native_build``: the
 system C compiler, cached by source hash), self-tests it against the numpy path on a
@@ -59,6 +61,10 @@ class FeatureRowsKernel:
         fn.argtypes = [_P, _I, _P, _I, _P, _I, _P, _I, _P, _I, _P, _I, _I, _P, _P]
         fn.restype = None
         self._fn = fn
+        update = ctypes.PyDLL(str(library)).kv_observe_rows
+        update.argtypes = [_P, _I, _P, _I, _P, _I, _P, _I, _P, _I, _P, _I, _P, _P, _I, _P, _P, _P]
+        update.restype = None
+        self._update = update
 
     def rows(
         self,
@@ -93,6 +99,31 @@ class FeatureRowsKernel:
         )  # fmt: skip
         return out
 
+    def observe(
+        self,
+        state: FeatureState,
+        slots: np.ndarray,
+        ts_ms: int,
+        weights: np.ndarray,
+        new_pos: list[int],
+        values: tuple[int, ...],
+    ) -> None:
+        """One request's row update (``FeatureState._observe_rows_numpy``'s arguments;
+        ``values`` each within int32, ``weights`` float32)."""
+        layout = state._native_layout()
+        n = slots.shape[0]
+        if layout.scratch.shape[0] < n * layout.row_bytes:
+            layout.scratch = np.zeros(2 * n * layout.row_bytes, dtype=np.uint8)
+        sl = np.ascontiguousarray(slots, dtype=np.int64)
+        new = np.array(new_pos, dtype=np.int64)
+        vals = np.array(values, dtype=np.int64)
+        w = np.ascontiguousarray(weights, dtype=np.float32)
+        self._update(
+            sl.ctypes.data, n, *layout.table_args(state), layout.observe.ctypes.data, ts_ms,
+            w.ctypes.data, new.ctypes.data, new.shape[0], vals.ctypes.data,
+            state._scored.ctypes.data, layout.scratch.ctypes.data,
+        )  # fmt: skip
+
 
 def kernel() -> FeatureRowsKernel | None:
     """The self-tested kernel, built on first use, or None (see ``last_failure``)."""
@@ -102,6 +133,9 @@ def kernel() -> FeatureRowsKernel | None:
         return loaded
     with _lock:
         if not _loaded[0]:
+            # Decided (None: numpy) while it builds and tests itself: the self-test's
+            # own states, and other threads meanwhile, use numpy.
+            _loaded = (True, None)
             _loaded = (True, _load())
         return _loaded[1]
 
@@ -148,30 +182,34 @@ def _load() -> FeatureRowsKernel | None:
 
 
 def self_test(candidate: FeatureRowsKernel) -> str:
-    """What differed from the numpy path's rows on a small state with every kind of
-    row, or "" when ``candidate`` gives them bit for bit."""
+    """What differed from the numpy path's updates and rows on a small state with
+    every kind of row, or "" when ``candidate`` gives them bit for bit."""
     from features.events import BlocksAccessed, BlockStored, Tier
     from features.state import FeatureParams, FeatureState
 
     rng = np.random.default_rng(0)
-    state = FeatureState(FeatureParams(max_tracked_blocks=4_096, initial_capacity=64))
+    params = FeatureParams(max_tracked_blocks=4_096, initial_capacity=64)
+    state, reference = FeatureState(params), FeatureState(params)
+    state.rows_kernel, reference.rows_kernel = candidate, False
     ts = 1_000
     for i in range(300):
         ts += int(rng.integers(0, 5_000))
         base = int(rng.integers(1, 40)) * 1_000
         depth = int(rng.integers(1, 24))
         blocks = tuple(base + j for j in range(depth)) + (10_000_000 + i,)
-        state.observe(
-            BlocksAccessed(
-                ts_ms=ts,
-                request_id=f"r{i}",
-                block_hashes=blocks,
-                block_size_tokens=16,
-                session_id=f"s{i % 7}" if i % 3 else None,
-                input_tokens=None if i % 5 == 0 else 16 * len(blocks),
-                output_tokens=int(rng.integers(0, 500)),
-            )
+        if i % 13 == 5:
+            blocks += blocks[:1]  # a block read twice by one request
+        event = BlocksAccessed(
+            ts_ms=ts,
+            request_id=f"r{i}",
+            block_hashes=blocks,
+            block_size_tokens=16,
+            session_id=f"s{i % 7}" if i % 3 else None,
+            input_tokens=None if i % 5 == 0 else 16 * len(blocks),
+            output_tokens=int(rng.integers(0, 500)),
         )
+        state.observe(event)
+        reference.observe(event)
         if i % 11 == 0:
             stored = BlockStored(
                 ts_ms=ts,
@@ -181,11 +219,15 @@ def self_test(candidate: FeatureRowsKernel) -> str:
                 tier=Tier.HBM if i % 2 else Tier.NVME,
             )
             state.observe(stored)
+            reference.observe(stored)
+    for got_table, expected_table in zip(state._arrays(), reference._arrays(), strict=True):
+        if not np.array_equal(got_table, expected_table):
+            return "the rows an update wrote differ from numpy's"
     hashes = np.concatenate((state.tracked_hashes(), np.array([1, 2, 3], dtype=np.uint64)))
     slots = state.slot_of(hashes)
     for now in (ts, ts + 1, ts + 3_600_000):
-        expected = state._rows_numpy(slots, now)
-        got = state.features_for_slots(slots, now, kernel=candidate)
+        expected = reference.features_for_slots(slots, now)
+        got = state.features_for_slots(slots, now)
         if expected.shape != got.shape or not np.array_equal(expected, got):
             where = np.argwhere(expected != got)
             r, c = (int(v) for v in where[0]) if where.size else (-1, -1)

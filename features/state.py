@@ -230,6 +230,13 @@ class _NativeLayout:
         self.array[self.WIDTH] = self.width
         self.static_args = self.array.ctypes.data
         self.constants = np.array([MISSING, NO_TIER_RANK], dtype=np.float64)
+        obs = [_LAST, _CHILD, _EXT, _FIRST, _REQORD, _COUNT, _DEPTH, _PARENT, _NCHILD]
+        obs += [_FLAGS, p.num_gaps, len(p.half_lives_s), _FLAG_EVER_TAIL]
+        self.observe = np.array(obs, dtype=np.int64)
+        """Where ``kv_observe_rows`` reads and writes."""
+        self.row_bytes = 8 * _NUM_I64 + 4 * _NUM_I32 + 4 * (p.num_gaps + len(p.half_lives_s))
+        self.scratch = np.zeros(0, dtype=np.uint8)
+        """Gathered rows of one request (grown on demand)."""
         self._tables: tuple[np.ndarray, ...] = ()
         self._table_args: tuple[int, ...] = ()
 
@@ -251,6 +258,10 @@ class FeatureState:
         self.feature_names = p.feature_names
         self._cols = _Columns(self.feature_names)
         self._native: _NativeLayout | None = None
+        self.rows_kernel: native_rows.FeatureRowsKernel | bool = True
+        """What updates and reads rows: True the process's native kernel when there is
+        one (``features.native_rows.kernel()``), False numpy, or a given kernel (its
+        self-test). Bit-identical either way; copies and pickles reset it to True."""
         self._k = p.num_gaps
         self._inv_hl_ms = np.array([1.0 / (h * 1000.0) for h in p.half_lives_s], dtype=np.float64)
         self._max_inv_hl_ms = float(self._inv_hl_ms.max())
@@ -625,6 +636,35 @@ class FeatureState:
         if new_pos:
             self._allocate(hashes, found, new_pos)
         sl = np.array(found, dtype=np.intp)
+        values = (
+            self.num_requests,
+            n,
+            -1 if event.input_tokens is None else event.input_tokens,
+            -1 if event.output_tokens is None else event.output_tokens,
+            hit_len,
+            turn,
+            turn_gap,
+        )
+        fast = self._kernel()
+        if fast is not None and all(-_INT32_MAX - 1 <= v <= _INT32_MAX for v in values):
+            fast.observe(self, sl, t, weights, new_pos, values)
+        else:
+            self._observe_rows_numpy(sl, t, weights, new_pos, values)
+        self.last_request_slots = sl
+
+    def _observe_rows_numpy(
+        self,
+        sl: np.ndarray,
+        t: int,
+        weights: np.ndarray,
+        new_pos: list[int],
+        values: tuple[int, ...],
+    ) -> None:
+        """One request's update of the rows ``sl`` of its blocks (in request order) at
+        ``t``: the reference definition of ``native_rows``' ``kv_observe_rows``.
+        ``values``: the request's ordinal, length, tokens in and out, hit length, turn
+        and turn gap; ``new_pos``: positions of blocks new to the state."""
+        n = sl.shape[0]
         if n > self._arange.shape[0]:
             self._arange = np.arange(2 * n, dtype=np.intp)
         ar = self._arange[:n]
@@ -651,16 +691,7 @@ class FeatureState:
                 J[newi[newi > 0] - 1, _NCHILD] += 1
             if last_new > 0:
                 I[:last_new, _EXT] = t + 1
-        J[:, _REQORD : _ROOT + 1] = (
-            self.num_requests,
-            n,
-            -1 if event.input_tokens is None else event.input_tokens,
-            -1 if event.output_tokens is None else event.output_tokens,
-            hit_len,
-            turn,
-            turn_gap,
-            sl[0],
-        )
+        J[:, _REQORD : _ROOT + 1] = (*values, sl[0])
         J[:, _COUNT] += 1
         J[:, _DEPTH] = ar
         J[0, _PARENT] = -1
@@ -668,9 +699,8 @@ class FeatureState:
         self._i64[sl] = I
         self._i32[sl] = J
         self._f32[sl] = F
-        self._u8[found[-1], _FLAGS] |= _FLAG_EVER_TAIL
+        self._u8[sl[-1], _FLAGS] |= _FLAG_EVER_TAIL
         self._scored[sl] = 0  # the rows changed: their stored scores are void
-        self.last_request_slots = sl
 
     def _allocate(
         self, hashes: tuple[int, ...], found: list[int | None], new_pos: list[int]
@@ -871,33 +901,32 @@ class FeatureState:
         this state's tables, which a copy does not share."""
         state = self.__dict__.copy()
         state["_native"] = None
+        state["rows_kernel"] = True  # a kernel is a loaded library: not copied
         return state
 
     def features_for(self, block_hashes: np.ndarray | Iterable[int], now_ms: int) -> np.ndarray:
         """Feature rows (float32, one per hash, ``feature_names`` order) at ``now_ms``."""
         return self.features_for_slots(self.slot_of(block_hashes), now_ms)
 
-    def features_for_slots(
-        self,
-        slots: np.ndarray,
-        now_ms: int,
-        *,
-        kernel: native_rows.FeatureRowsKernel | None | bool = True,
-    ) -> np.ndarray:
+    def features_for_slots(self, slots: np.ndarray, now_ms: int) -> np.ndarray:
         """Same as ``features_for`` for rows already looked up (-1 = unknown).
 
-        Computed by the native kernel (``features.native_rows``) when it is available,
-        else by numpy (``_rows_numpy``, the reference): the same rows bit for bit.
-        ``kernel``: True (the default) uses the process's kernel when there is one,
-        False numpy, or a given kernel (its self-test)."""
+        Computed by the native kernel (``features.native_rows``, see ``rows_kernel``)
+        when it is available, else by numpy (``_rows_numpy``, the reference): the same
+        rows bit for bit."""
         # The state cannot look back in time: an instant before the latest access is
         # answered as of that access (keeps every value finite).
         now_ms = max(now_ms, self.clock_ms)
-        fast = native_rows.kernel() if kernel is True else (kernel or None)
-        if fast is None or not self._native_layout().fits:
+        fast = self._kernel()
+        if fast is None:
             return self._rows_numpy(slots, now_ms)
         sl = np.ascontiguousarray(slots, dtype=np.int64)
         return fast.rows(self, sl, now_ms, self._dec_scale(now_ms), self._request_rates(now_ms))
+
+    def _kernel(self) -> native_rows.FeatureRowsKernel | None:
+        chosen = self.rows_kernel
+        fast = native_rows.kernel() if chosen is True else (chosen or None)
+        return fast if fast is not None and self._native_layout().fits else None
 
     def _native_layout(self) -> _NativeLayout:
         """Column positions for the native kernel (made once per state)."""

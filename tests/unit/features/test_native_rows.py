@@ -16,7 +16,7 @@ from features import native_rows
 from features.decoders import decode_mooncake
 from features.generator import generate, params_for
 from features.state import FeatureParams, FeatureState
-from tests.unit.features.test_state_properties import PARAMS, streams
+from tests.unit.features.test_state_properties import PARAMS, _assert_same_state, streams
 
 needs_cc = pytest.mark.skipif(shutil.which("cc") is None, reason="no C compiler on this machine")
 
@@ -44,16 +44,18 @@ def test_kernel_rows_equal_numpy_rows(
 ) -> None:
     kernel = native_rows.kernel()
     assert kernel is not None, native_rows.last_failure
-    state = FeatureState(params)
+    state, reference = FeatureState(params), FeatureState(params)
+    state.rows_kernel, reference.rows_kernel = kernel, False
     for i, event in enumerate(events):
         state.observe(event)
+        reference.observe(event)
         if i % 7 == 6 or i == len(events) - 1:
+            _assert_same_state(state, reference)
             hashes = np.array(sorted(state._index)[:60] + probe, dtype=np.uint64)
             slots = state.slot_of(hashes)
             for now in (state.clock_ms - 5, state.clock_ms + later_ms):
-                got = state.features_for_slots(slots, now, kernel=kernel)
-                expected = state.features_for_slots(slots, now, kernel=False)
-                np.testing.assert_array_equal(got, expected)
+                got = state.features_for_slots(slots, now)
+                np.testing.assert_array_equal(got, reference.features_for_slots(slots, now))
 
 
 @needs_cc
@@ -61,17 +63,20 @@ def test_kernel_rows_equal_numpy_rows_on_a_generated_trace(fresh_kernel) -> None
     """Every block of a chat workload at every request, as the replay asks."""
     kernel = native_rows.kernel()
     assert kernel is not None, native_rows.last_failure
-    state = FeatureState(FeatureParams(max_tracked_blocks=3_000))
+    params = FeatureParams(max_tracked_blocks=3_000)
+    state, reference = FeatureState(params), FeatureState(params)
+    state.rows_kernel, reference.rows_kernel = kernel, False
     checked = 0
     for i, row in enumerate(generate(params_for("chat", num_requests=600, seed=5))):
         event = decode_mooncake(row, str(i))
         state.observe(event)
+        reference.observe(event)
         if i % 25 == 0:
+            _assert_same_state(state, reference)
             slots = state.tracked_slots()
             for now in (event.ts_ms, event.ts_ms + 61_000):
                 np.testing.assert_array_equal(
-                    state.features_for_slots(slots, now, kernel=kernel),
-                    state.features_for_slots(slots, now, kernel=False),
+                    state.features_for_slots(slots, now), reference.features_for_slots(slots, now)
                 )
             checked += slots.shape[0]
     assert checked > 10_000 and state.num_evicted > 0  # the cap was reached too
@@ -99,13 +104,21 @@ def test_told_numpy_the_kernel_is_not_built(fresh_kernel, monkeypatch: pytest.Mo
 def test_a_kernel_that_disagrees_with_numpy_is_refused(
     fresh_kernel, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """A kernel bug (ages off by one ms) fails the self-test; rows stay on numpy."""
+    """A kernel bug (ages off by one ms, or updates that forget the request's length)
+    fails the self-test; rows stay on numpy."""
     right = native_rows.SOURCE.read_text()
-    wrong = right.replace("(float)(now - I[src[S_FIRST]])", "(float)(now + 1 - I[src[S_FIRST]])")
-    assert wrong != right
-    monkeypatch.setattr(native_rows, "SOURCE", _Source(wrong))
-    assert native_rows.kernel() is None
-    assert "self-test failed" in native_rows.last_failure and "age_ms" in native_rows.last_failure
+    bugs = {
+        "age_ms": ("(float)(now - I[src[S_FIRST]])", "(float)(now + 1 - I[src[S_FIRST]])"),
+        "update": ("v < 7; ++v", "v < 1; ++v"),
+    }
+    for what, (good, bad) in bugs.items():
+        wrong = right.replace(good, bad)
+        assert wrong != right
+        monkeypatch.setattr(native_rows, "SOURCE", _Source(wrong))
+        native_rows.reset()
+        assert native_rows.kernel() is None
+        assert "self-test failed" in native_rows.last_failure
+        assert what in native_rows.last_failure, native_rows.last_failure
 
 
 @dataclasses.dataclass
@@ -140,5 +153,5 @@ def test_copies_and_pickles_read_their_own_tables(fresh_kernel) -> None:
     now = twin.clock_ms + 5_000
     for s in (twin, thawed):
         np.testing.assert_array_equal(
-            s.features_for(hashes, now), s.features_for_slots(s.slot_of(hashes), now, kernel=False)
+            s.features_for(hashes, now), s._rows_numpy(s.slot_of(hashes), now)
         )
