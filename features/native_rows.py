@@ -140,6 +140,15 @@ def kernel() -> FeatureRowsKernel | None:
         return _loaded[1]
 
 
+def status() -> str:
+    """What computes feature rows in this process, for health: ``native``, ``numpy
+    (<why>)``, or ``undecided`` before the first row (reads only; never builds)."""
+    done, loaded = _loaded
+    if not done:
+        return "undecided"
+    return "native" if loaded is not None else f"numpy ({last_failure or 'building'})"
+
+
 def reset() -> None:
     """Forget the loaded kernel: the next ``kernel()`` builds, tests and decides again."""
     global _loaded, last_failure

@@ -26,6 +26,7 @@ from typing import Any, ClassVar
 import numpy as np
 from pydantic import Field
 
+from features import native_rows
 from features.events import Event
 from features.state import FEATURE_VERSION, FeatureParams, FeatureState
 from predictor.base import (
@@ -137,6 +138,11 @@ class LearnedPolicy(Policy):
             events = list(events)
             self.chain.observe_many(events)
         self.state.observe_many(events)
+
+    def online_status(self) -> dict[str, Any]:
+        """``feature_rows``: what computes this process's feature rows and updates
+        (``native``, or ``numpy (<why>)``: see ``features.native_rows``)."""
+        return {"feature_rows": native_rows.status()}
 
     def prefetch_candidates(self, now_ms: int, limit: int) -> np.ndarray:
         """Blocks of the chains the chain model expects back soonest (none without one).

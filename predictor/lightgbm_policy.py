@@ -209,7 +209,7 @@ class LightGBMPolicy(LearnedPolicy):
         return 0.5 * (1.0 + _erf(np.asarray(z)))
 
     def online_status(self) -> dict[str, Any]:
-        return {"evaluator": self.evaluator}
+        return {**super().online_status(), "evaluator": self.evaluator}
 
     def _adopt_model(self, other: Any) -> None:
         self.model = other.model

@@ -155,3 +155,18 @@ def test_copies_and_pickles_read_their_own_tables(fresh_kernel) -> None:
         np.testing.assert_array_equal(
             s.features_for(hashes, now), s._rows_numpy(s.slot_of(hashes), now)
         )
+
+
+def test_health_says_what_computes_the_rows(fresh_kernel, monkeypatch: pytest.MonkeyPatch) -> None:
+    from predictor.lightgbm_policy import LightGBMPolicy
+
+    policy = LightGBMPolicy()
+    assert native_rows.status() == "undecided"
+    monkeypatch.setenv(native_rows.ENV, "numpy")
+    policy.state.features_for(np.array([1], dtype=np.uint64), 0)
+    assert policy.online_status()["feature_rows"] == f"numpy ({native_rows.ENV}=numpy)"
+    if shutil.which("cc") is not None:
+        monkeypatch.delenv(native_rows.ENV)
+        native_rows.reset()
+        policy.state.features_for(np.array([1], dtype=np.uint64), 0)
+        assert policy.online_status()["feature_rows"] == "native"

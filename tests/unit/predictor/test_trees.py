@@ -222,7 +222,7 @@ def test_a_learned_policy_scores_with_the_compiled_trees_and_says_so(
     loaded = copy.deepcopy(LightGBMPolicy.load(policy.save(tmp_path / "model")))
     assert isinstance(loaded, LightGBMPolicy)
     assert loaded.evaluator == "compiled" and loaded.compiled is not None
-    assert loaded.online_status() == {"evaluator": "compiled"}
+    assert loaded.online_status()["evaluator"] == "compiled"
     rows = self_test_rows(width, seed=7)
     assert loaded.booster is not None
     expected = loaded.booster.predict(rows, num_threads=1)
