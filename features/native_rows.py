@@ -81,6 +81,8 @@ class FeatureRowsKernel:
         out = np.empty((n, layout.width), dtype=np.float32)
         if n == 0:
             return out
+        if int(slots.max()) >= state._i64.shape[0]:  # the C reads rows unchecked
+            raise IndexError(f"slot {int(slots.max())} is not a row of this state")
         dbl = np.concatenate((layout.constants, scale, rates))
         self._fn(
             slots.ctypes.data, n, *layout.table_args(state), layout.static_args,

@@ -170,3 +170,11 @@ def test_health_says_what_computes_the_rows(fresh_kernel, monkeypatch: pytest.Mo
         native_rows.reset()
         policy.state.features_for(np.array([1], dtype=np.uint64), 0)
         assert policy.online_status()["feature_rows"] == "native"
+
+
+@needs_cc
+def test_a_slot_past_the_tables_is_an_error_not_a_wild_read(fresh_kernel) -> None:
+    state = FeatureState(FeatureParams(initial_capacity=16))
+    state.observe(decode_mooncake(next(generate(params_for("chat", num_requests=5))), "0"))
+    with pytest.raises(IndexError):
+        state.features_for_slots(np.array([0, 10**9], dtype=np.int64), state.clock_ms)
