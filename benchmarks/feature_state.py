@@ -8,6 +8,8 @@ repository root) or, when it is absent, a generated trace of the same size:
   at a time (``observe``);
 - update + extraction: the same plus ``features_for`` on every request's blocks
   right after it (what dataset building and per-request scoring do);
+- the two per-request paths again on numpy alone, against the native feature-state
+  kernels (``features.native_rows``) that compute them by default;
 - bytes per tracked block (array row + index entry);
 - dataset build time (``training.dataset.build_dataset`` with its defaults).
 
@@ -40,6 +42,7 @@ from pathlib import Path
 import click
 
 from benchmarks.traces import load_events
+from features import native_rows
 from features.events import BlocksAccessed
 from features.state import FeatureState
 
@@ -61,14 +64,16 @@ def _update(events: list[BlocksAccessed]) -> FeatureState:
     return state
 
 
-def _update_one_by_one(events: list[BlocksAccessed]) -> None:
+def _update_one_by_one(events: list[BlocksAccessed], native: bool = True) -> None:
     state = FeatureState()
+    state.rows_kernel = native
     for event in events:
         state.observe(event)
 
 
-def _update_and_extract(events: list[BlocksAccessed]) -> None:
+def _update_and_extract(events: list[BlocksAccessed], native: bool = True) -> None:
     state = FeatureState()
+    state.rows_kernel = native
     for event in events:
         state.observe(event)
         state.features_for_slots(state.last_request_slots, event.ts_ms)
@@ -109,6 +114,10 @@ def features(trace: Path | None, repeats: int, dataset: bool, profile: bool) -> 
     update_s = _best_of(repeats, lambda: _update(events))
     single_s = _best_of(repeats, lambda: _update_one_by_one(events))
     extract_s = _best_of(repeats, lambda: _update_and_extract(events))
+    # The same two per-request paths on numpy alone (the native kernels' reference).
+    kernel = native_rows.kernel()
+    single_np_s = _best_of(repeats, lambda: _update_one_by_one(events, native=False))
+    extract_np_s = _best_of(repeats, lambda: _update_and_extract(events, native=False))
     state = _update(events)
 
     def rate(seconds: float) -> str:
@@ -118,6 +127,13 @@ def features(trace: Path | None, repeats: int, dataset: bool, profile: bool) -> 
     click.echo(f"update (observe_many):    {rate(update_s)}")
     click.echo(f"update (observe, 1 by 1): {rate(single_s)}")
     click.echo(f"update + features_for:    {rate(extract_s)}")
+    rows = "native" if kernel is not None else native_rows.status()
+    click.echo(
+        f"per-request paths above: feature rows {rows}; on numpy alone: 1 by 1 "
+        f"{num_accesses / single_np_s:,.0f}/s ({single_np_s / single_s:.2f}x slower), "
+        f"update + features_for {num_accesses / extract_np_s:,.0f}/s "
+        f"({extract_np_s / extract_s:.2f}x slower)"
+    )
     click.echo(
         f"tracked blocks: {state.num_tracked:,}  bytes per tracked block: "
         f"{state.bytes_per_tracked_block():.1f}  (allocated incl. spare rows: "
