@@ -85,7 +85,7 @@ class FeatureRowsKernel:
             raise IndexError(f"slot {int(slots.max())} is not a row of this state")
         dbl = np.concatenate((layout.constants, scale, rates))
         self._fn(
-            slots.ctypes.data, n, *layout.table_args(state), layout.static_args,
+            slots.ctypes.data, n, *layout.table_args(), layout.static_args,
             now_ms, state.num_requests, dbl.ctypes.data, out.ctypes.data,
         )  # fmt: skip
         return out
@@ -121,7 +121,7 @@ class FeatureRowsKernel:
         vals = np.array(values, dtype=np.int64)
         w = np.ascontiguousarray(weights, dtype=np.float32)
         self._update(
-            sl.ctypes.data, n, *layout.table_args(state), layout.observe.ctypes.data, ts_ms,
+            sl.ctypes.data, n, *layout.table_args(), layout.observe.ctypes.data, ts_ms,
             w.ctypes.data, new.ctypes.data, new.shape[0], vals.ctypes.data,
             state._scored.ctypes.data, layout.scratch.ctypes.data,
         )  # fmt: skip

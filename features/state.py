@@ -224,8 +224,9 @@ class _NativeLayout:
         """False: more columns than the kernel's layout holds; rows stay on numpy."""
         self.width = len(state.feature_names)
         self.array = np.zeros(self.SIZE, dtype=np.int64)
-        self.array[: len(src)] = src
-        self.array[self.DST : self.DST + len(dst)] = dst[: self.TIER_RANKS - self.DST]
+        if self.fits:
+            self.array[: len(src)] = src
+            self.array[self.DST : self.DST + len(dst)] = dst
         self.array[self.TIER_RANKS : self.WIDTH].view(np.float32)[:] = _TIER_RANK_OF_MASK
         self.array[self.WIDTH] = self.width
         self.static_args = self.array.ctypes.data
@@ -239,13 +240,37 @@ class _NativeLayout:
         """Gathered rows of one request (grown on demand)."""
         self._tables: tuple[np.ndarray, ...] = ()
         self._table_args: tuple[int, ...] = ()
+        self._usable = False
 
-    def table_args(self, state: FeatureState) -> tuple[int, ...]:
-        """(address, row width) of the int64, int32, uint8 and float32 tables."""
-        tables = (state._i64, state._i32, state._u8, state._f32)
-        if len(self._tables) != 4 or not all(map(operator.is_, tables, self._tables)):
-            self._tables = tables
-            self._table_args = tuple(v for t in tables for v in (t.ctypes.data, t.shape[1]))
+    def usable(self, state: FeatureState) -> bool:
+        """Whether the kernel can run on ``state``'s tables as they are now: each
+        C-contiguous with its dtype (checked again only when a table is replaced: the
+        state grew, or a checkpoint was restored into it)."""
+        tables: tuple[np.ndarray, ...] = (
+            state._i64,
+            state._i32,
+            state._u8,
+            state._f32,
+            state._scored,
+        )
+        if len(self._tables) == 5 and all(map(operator.is_, tables, self._tables)):
+            return self._usable
+        self._tables = tables
+        dtypes: tuple[type[np.generic], ...] = (np.int64, np.int32, np.uint8, np.float32, np.int64)
+        self._usable = self.fits and all(
+            t.dtype == dtype and t.ndim == (1 if i == 4 else 2) and t.flags.c_contiguous
+            for i, (t, dtype) in enumerate(zip(tables, dtypes, strict=True))
+        )
+        self._table_args = (
+            tuple(v for t in tables[:4] for v in (t.ctypes.data, t.shape[1]))
+            if self._usable
+            else ()
+        )
+        return self._usable
+
+    def table_args(self) -> tuple[int, ...]:
+        """(address, row width) of the int64, int32, uint8 and float32 tables, as
+        ``usable`` last saw them."""
         return self._table_args
 
 
@@ -926,7 +951,7 @@ class FeatureState:
     def _kernel(self) -> native_rows.FeatureRowsKernel | None:
         chosen = self.rows_kernel
         fast = native_rows.kernel() if chosen is True else (chosen or None)
-        return fast if fast is not None and self._native_layout().fits else None
+        return fast if fast is not None and self._native_layout().usable(self) else None
 
     def _native_layout(self) -> _NativeLayout:
         """Column positions for the native kernel (made once per state)."""

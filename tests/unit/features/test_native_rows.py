@@ -178,3 +178,35 @@ def test_a_slot_past_the_tables_is_an_error_not_a_wild_read(fresh_kernel) -> Non
     state.observe(decode_mooncake(next(generate(params_for("chat", num_requests=5))), "0"))
     with pytest.raises(IndexError):
         state.features_for_slots(np.array([0, 10**9], dtype=np.int64), state.clock_ms)
+
+
+@needs_cc
+def test_tables_the_kernel_cannot_read_as_they_are_send_rows_to_numpy(fresh_kernel) -> None:
+    """A table replaced by one that is not C-contiguous (as a restore might) is read by
+    numpy, with the same rows; a contiguous one goes back to the kernel."""
+    events = [
+        decode_mooncake(r, str(i))
+        for i, r in enumerate(generate(params_for("chat", num_requests=200, seed=4)))
+    ]
+    state, reference = FeatureState(), FeatureState()
+    reference.rows_kernel = False
+    for event in events[:100]:
+        state.observe(event)
+        reference.observe(event)
+    assert state._kernel() is not None
+    state._i64 = np.asfortranarray(state._i64)
+    assert state._kernel() is None
+    for event in events[100:150]:
+        state.observe(event)
+        reference.observe(event)
+    hashes = reference.tracked_hashes()
+    now = reference.clock_ms + 1_000
+    np.testing.assert_array_equal(
+        state.features_for(hashes, now), reference.features_for(hashes, now)
+    )
+    state._i64 = np.ascontiguousarray(state._i64)
+    assert state._kernel() is not None
+    for event in events[150:]:
+        state.observe(event)
+        reference.observe(event)
+    _assert_same_state(state, reference)
