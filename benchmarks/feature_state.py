@@ -20,13 +20,14 @@ process (best of ``--repeats``), so rates are per core; ratios compare across no
 shared machines better than absolute rates do.
 
 Measured (``kvwarm bench features --repeats 3``, shared Mooncake trace, 288,500
-accesses, a 2-core machine shared with other jobs, CPU time of this process):
-observe_many 0.93-1.13 M accesses/s (0.13-0.15x the dict-LRU pass), observe one by
-one 0.50-0.60 M/s, update + features_for per request 0.17-0.18 M/s, 237 bytes per
-tracked block (182,790 blocks; 255 counting spare allocated rows), build_dataset
-2.3 s for 303,348 rows. Where the batched update spends its time (``--profile``):
-about a quarter in the Python dict (lookups, new rows), a tenth in the per-request
-loop (clock, turn), the rest in ~50 numpy operations per chunk of 256 requests.
+accesses, the 2-core development machine alone, CPU time of this process, commit
+eac8319): observe_many 1.63 M accesses/s (0.128x the dict-LRU pass), observe one by
+one 1.01 M/s, update + features_for per request 654 k/s (295 k/s with the numpy paths
+of commit 97b5ea5: the native kernels make it 2.2x), 249 bytes per tracked block
+(182,790 blocks; 272 counting spare allocated rows), build_dataset 0.84 s for 303,348
+rows. Where the batched update spends its time (``--profile``): about a quarter in the
+Python dict (lookups, new rows), a tenth in the per-request loop (clock, turn), the
+rest in ~50 numpy operations per chunk of 256 requests.
 """
 
 from __future__ import annotations
