@@ -53,15 +53,17 @@ _I = ctypes.c_int64
 
 
 class FeatureRowsKernel:
-    """The loaded ``kv_feature_rows``; ``rows(state, slots, now_ms)`` fills the rows."""
+    """The loaded library: ``rows`` (``kv_feature_rows``) and ``observe``
+    (``kv_observe_rows``)."""
 
     def __init__(self, library: Path) -> None:
         self.library = library
-        fn = ctypes.PyDLL(str(library)).kv_feature_rows
+        loaded = ctypes.PyDLL(str(library))
+        fn = loaded.kv_feature_rows
         fn.argtypes = [_P, _I, _P, _I, _P, _I, _P, _I, _P, _I, _P, _I, _I, _P, _P]
         fn.restype = None
         self._fn = fn
-        update = ctypes.PyDLL(str(library)).kv_observe_rows
+        update = loaded.kv_observe_rows
         update.argtypes = [_P, _I, _P, _I, _P, _I, _P, _I, _P, _I, _P, _I, _P, _P, _I, _P, _P, _P]
         update.restype = None
         self._update = update
@@ -87,17 +89,6 @@ class FeatureRowsKernel:
         self._fn(
             slots.ctypes.data, n, *layout.table_args(), layout.static_args,
             now_ms, state.num_requests, dbl.ctypes.data, out.ctypes.data,
-        )  # fmt: skip
-        return out
-        dbl = np.concatenate((layout.constants, scale, rates))
-        num = np.array([now_ms, state.num_requests], dtype=np.int64)
-        i64, i32, u8, f32 = state._i64, state._i32, state._u8, state._f32
-        self._fn(
-            slots.ctypes.data, n,
-            i64.ctypes.data, i64.shape[1], i32.ctypes.data, i32.shape[1],
-            u8.ctypes.data, u8.shape[1], f32.ctypes.data, f32.shape[1],
-            layout.src.ctypes.data, layout.dst.ctypes.data, num.ctypes.data, dbl.ctypes.data,
-            layout.tier_rank_of_mask.ctypes.data, out.ctypes.data, layout.width,
         )  # fmt: skip
         return out
 

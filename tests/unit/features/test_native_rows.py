@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 
 from features import native_rows
 from features.decoders import decode_mooncake
+from features.events import BlocksAccessed
 from features.generator import generate, params_for
 from features.state import FeatureParams, FeatureState
 from tests.unit.features.test_state_properties import PARAMS, _assert_same_state, streams
@@ -67,8 +68,7 @@ def test_kernel_rows_equal_numpy_rows_on_a_generated_trace(fresh_kernel) -> None
     state, reference = FeatureState(params), FeatureState(params)
     state.rows_kernel, reference.rows_kernel = kernel, False
     checked = 0
-    for i, row in enumerate(generate(params_for("chat", num_requests=600, seed=5))):
-        event = decode_mooncake(row, str(i))
+    for i, event in enumerate(_chat(600, seed=5)):
         state.observe(event)
         reference.observe(event)
         if i % 25 == 0:
@@ -89,7 +89,7 @@ def test_without_a_compiler_rows_stay_on_numpy_and_say_why(
     assert native_rows.kernel() is None
     assert "no-such-compiler-kvwarm" in native_rows.last_failure
     state = FeatureState()
-    state.observe(decode_mooncake(next(generate(params_for("chat", num_requests=5))), "0"))
+    state.observe(_chat(5)[0])
     rows = state.features_for(state.tracked_hashes(), state.clock_ms)
     assert rows.shape[0] == state.num_tracked and np.isfinite(rows).all()
 
@@ -121,6 +121,12 @@ def test_a_kernel_that_disagrees_with_numpy_is_refused(
         assert what in native_rows.last_failure, native_rows.last_failure
 
 
+def _chat(num_requests: int, seed: int = 0) -> list[BlocksAccessed]:
+    """A generated chat workload's requests, decoded as a trace's would be."""
+    rows = generate(params_for("chat", num_requests=num_requests, seed=seed))
+    return [decode_mooncake(row, str(i)) for i, row in enumerate(rows)]
+
+
 @dataclasses.dataclass
 class _Source:
     text: str
@@ -137,10 +143,7 @@ def test_copies_and_pickles_read_their_own_tables(fresh_kernel) -> None:
     import pickle
 
     state = FeatureState()
-    events = [
-        decode_mooncake(r, str(i))
-        for i, r in enumerate(generate(params_for("chat", num_requests=300, seed=2)))
-    ]
+    events = _chat(300, seed=2)
     for event in events[:150]:
         state.observe(event)
     hashes = state.tracked_hashes()
@@ -175,7 +178,7 @@ def test_health_says_what_computes_the_rows(fresh_kernel, monkeypatch: pytest.Mo
 @needs_cc
 def test_a_slot_past_the_tables_is_an_error_not_a_wild_read(fresh_kernel) -> None:
     state = FeatureState(FeatureParams(initial_capacity=16))
-    state.observe(decode_mooncake(next(generate(params_for("chat", num_requests=5))), "0"))
+    state.observe(_chat(5)[0])
     with pytest.raises(IndexError):
         state.features_for_slots(np.array([0, 10**9], dtype=np.int64), state.clock_ms)
 
@@ -184,10 +187,7 @@ def test_a_slot_past_the_tables_is_an_error_not_a_wild_read(fresh_kernel) -> Non
 def test_tables_the_kernel_cannot_read_as_they_are_send_rows_to_numpy(fresh_kernel) -> None:
     """A table replaced by one that is not C-contiguous (as a restore might) is read by
     numpy, with the same rows; a contiguous one goes back to the kernel."""
-    events = [
-        decode_mooncake(r, str(i))
-        for i, r in enumerate(generate(params_for("chat", num_requests=200, seed=4)))
-    ]
+    events = _chat(200, seed=4)
     state, reference = FeatureState(), FeatureState()
     reference.rows_kernel = False
     for event in events[:100]:
