@@ -107,7 +107,7 @@ class SidecarMetrics:
 
     def bind(self, **parts: Any) -> None:
         """sidecar=, source=, decision_maker=, executor_sink=, model_manager=, acks= (a
-        callable returning status -> count)."""
+        callable returning status -> count), gc_pacer=."""
         self.parts.update({k: v for k, v in parts.items() if v is not None})
 
     def observe_batch_latency(self, seconds: float, num_events: int) -> None:
@@ -188,6 +188,23 @@ class _LiveCollector(Collector):
             for status, n in sorted(_copy(acks()).items()):
                 family.add_metric([status], n)
             yield family
+        pacer = parts.get("gc_pacer")
+        if pacer is not None:
+            yield CounterMetricFamily(
+                "kvwarm_gc_paced_collections",
+                "Full garbage collections run between batches (serving.gc_pacer).",
+                value=pacer.num_collections,
+            )
+            yield CounterMetricFamily(
+                "kvwarm_gc_paced_pause_seconds",
+                "Time spent in those collections.",
+                value=pacer.total_pause_ms / 1e3,
+            )
+            yield GaugeMetricFamily(
+                "kvwarm_gc_paced_pause_max_seconds",
+                "Longest of those collections.",
+                value=pacer.max_pause_ms / 1e3,
+            )
         manager = parts.get("model_manager")
         if manager is not None:
             s = manager.status

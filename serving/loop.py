@@ -34,6 +34,7 @@ import numpy as np
 from features.events import AllBlocksCleared, BlockRemoved, BlocksAccessed, BlockStored, Event
 from predictor.base import Policy
 from serving import defaults
+from serving.gc_pacer import GcPacer
 from serving.placement import Placement
 from serving.planner import AdmitFn, Move, Planner
 from serving.prefetch_gate import PrefetchGate
@@ -313,6 +314,7 @@ class Sidecar:
         flush: Callable[[], None] | None = None,
         max_events: int | None = None,
         route: Callable[[int], None] | None = None,
+        gc_pacer: GcPacer | None = None,
     ) -> LoopStats:
         """Consume ``source`` until it is exhausted, ``stop`` is set or ``max_events``.
 
@@ -320,6 +322,8 @@ class Sidecar:
         ``flush`` is called before each commit so sinks have delivered the moves.
         ``route(i)`` is called before the ``i``-th event of each polled batch (state kept
         per partition switches its shard in there: ``serving.shards``).
+        ``gc_pacer`` (started by the caller) runs full garbage collections between
+        batches, at idle moments first (``serving.gc_pacer``).
         """
         stop = stop or threading.Event()
         handled = 0
@@ -347,6 +351,8 @@ class Sidecar:
                 source.commit()
             elif clock is not None:
                 self.maybe_prefetch(clock())
+            if gc_pacer is not None:
+                gc_pacer.tick(idle=not events)
             if source.exhausted or (max_events is not None and handled >= max_events):
                 break
         return self.stats

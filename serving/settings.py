@@ -384,6 +384,15 @@ class SidecarSettings(BaseSettings):
     poll_timeout_ms: int = Field(
         100, ge=0, le=60_000, description="How long one poll waits for events."
     )
+    gc_max_interval_s: float = Field(
+        60.0,
+        ge=0.0,
+        le=600.0,
+        description="Full garbage collections run between batches, when the source is idle "
+        "or at least this often under load, instead of inside a batch when allocations "
+        "trigger one (serving.gc_pacer: those walked all of serving's state, 84-223 ms "
+        "stalls). 0: CPython's own schedule.",
+    )
 
     # -- model lifecycle -------------------------------------------------------------------
     model_poll_interval_s: float = Field(

@@ -194,26 +194,53 @@ def test_the_trace_is_read_once_through(tmp_path):
 def test_what_is_alive_when_serving_starts_is_frozen_out_of_the_collector(tmp_path):
     """A full collection walked every imported library's objects (a 16-30 ms pause in
     the loop); ``run`` freezes what is alive at its start, so it walks only what
-    serving creates; ``close`` unfreezes it."""
+    serving creates; ``close`` unfreezes it. Full collections then run only between
+    batches (``serving.gc_pacer``), never inside one, and show in health and metrics."""
     import gc
 
     from features.generator import generate_to_file, params_for
 
     trace = generate_to_file(params_for("chat", num_requests=50, seed=2), tmp_path / "t.jsonl")
-    settings = load_settings(
-        None, source=f"file:{trace}", clock="event", http_enabled=False, model_poll_interval_s=0
-    )
-    gc.unfreeze()
-    service = Service(settings)
-    frozen: list[int] = []
-    service.sidecar.hooks.append(lambda *_: frozen.append(gc.get_freeze_count()))
-    try:
-        assert gc.get_freeze_count() == 0
-        service.run()
-    finally:
-        service.close()
-    assert frozen and min(frozen) > 10_000  # the libraries, model and settings
-    assert gc.get_freeze_count() == 0  # close made them collectable again
+    threshold = gc.get_threshold()
+    for paced in (True, False):
+        settings = load_settings(
+            None,
+            source=f"file:{trace}",
+            clock="event",
+            http_enabled=False,
+            model_poll_interval_s=0,
+            gc_max_interval_s=60.0 if paced else 0.0,
+        )
+        gc.unfreeze()
+        service = Service(settings)
+        frozen: list[int] = []
+        thresholds: list[int] = []
+
+        def hook(
+            *_: object, frozen: list[int] = frozen, thresholds: list[int] = thresholds
+        ) -> None:
+            frozen.append(gc.get_freeze_count())
+            thresholds.append(gc.get_threshold()[2])
+
+        service.sidecar.hooks.append(hook)
+        try:
+            assert gc.get_freeze_count() == 0
+            service.run()
+            if paced:
+                health = service.health()["gc"]
+                assert health["paced"] and health["collections"] >= 1
+                text = service.metrics.text().decode()
+                assert "kvwarm_gc_paced_collections_total" in text
+                assert "kvwarm_gc_paced_pause_max_seconds" in text
+            else:
+                assert "gc" not in service.health()
+        finally:
+            service.close()
+        assert frozen and min(frozen) > 10_000  # the libraries, model and settings
+        assert gc.get_freeze_count() == 0  # close made them collectable again
+        # Paced: CPython starts no full collection while the loop runs.
+        assert set(thresholds) == ({1 << 30} if paced else {threshold[2]})
+        assert gc.get_threshold() == threshold
 
 
 def test_print_settings_shows_effective_values_and_hides_secrets():
