@@ -23,6 +23,9 @@ VM, each a stall of every event in flight; four of the seven found nothing to fr
   freed: memory stays bounded on an endless stream.
 - ``stop()`` puts the collector back as it found it (threshold and frozen objects).
 
+``max_interval_s=0`` leaves CPython's schedule alone (``paced`` is False): ``start``
+only freezes what is alive, ``tick`` does nothing, ``stop`` unfreezes.
+
 The pacer counts its collections and their pauses (``status()``: ``/healthz`` and
 ``/metrics``). Pacers nest: a process running several sidecars shares one paced
 collector; the last ``stop`` restores it.
@@ -59,6 +62,7 @@ class GcPacer:
             )
         self.idle_interval_s = idle_interval_s
         self.max_interval_s = max_interval_s
+        self.paced = max_interval_s > 0
         self.refreeze_interval_s = refreeze_interval_s
         self._clock = clock
         self._started = False
@@ -76,6 +80,11 @@ class GcPacer:
         global _active, _saved_threshold
         if self._started:
             return
+        if not self.paced:
+            self._started = True
+            gc.collect()
+            gc.freeze()
+            return
         with _lock:
             if _active == 0:
                 _saved_threshold = gc.get_threshold()
@@ -88,7 +97,7 @@ class GcPacer:
 
     def tick(self, idle: bool) -> bool:
         """Collect now if it is time (see the module docstring); True when it did."""
-        if not self._started:
+        if not (self._started and self.paced):
             return False
         now = self._clock()
         since = now - self._last
@@ -125,6 +134,9 @@ class GcPacer:
         if not self._started:
             return
         self._started = False
+        if not self.paced:
+            gc.unfreeze()
+            return
         with _lock:
             _active -= 1
             if _active == 0:
@@ -135,7 +147,7 @@ class GcPacer:
 
     def status(self) -> dict[str, Any]:
         return {
-            "paced": self._started,
+            "paced": self._started and self.paced,
             "collections": self.num_collections,
             "refreezes": self.num_refreezes,
             "collected_objects": self.num_collected,

@@ -25,7 +25,6 @@ shows in ``kvwarm_lag_seconds`` and ``kvwarm_source_backlog_events``.
 from __future__ import annotations
 
 import faulthandler
-import gc
 import json
 import logging
 import os
@@ -384,13 +383,9 @@ class Service:
     ) -> None:
         self.settings = settings
         self.metrics = SidecarMetrics()
-        self.gc_pacer = (
-            GcPacer(
-                idle_interval_s=min(2.0, settings.gc_max_interval_s),
-                max_interval_s=settings.gc_max_interval_s,
-            )
-            if settings.gc_max_interval_s > 0
-            else None
+        self.gc_pacer = GcPacer(
+            idle_interval_s=min(2.0, settings.gc_max_interval_s),
+            max_interval_s=settings.gc_max_interval_s,
         )
         self._stop = stop or threading.Event()
         self._ready = False
@@ -503,7 +498,7 @@ class Service:
             executor_sink=self.executor_sink,
             model_manager=self.models,
             acks=self.acks,
-            gc_pacer=self.gc_pacer,
+            gc_pacer=self.gc_pacer if self.gc_pacer.paced else None,
         )
         self.http: HealthServer | None = None
         self._wall_checked = False
@@ -695,7 +690,7 @@ class Service:
                 if self.sidecar.prefetch_gate is not None
                 else {}
             ),
-            **({"gc": self.gc_pacer.status()} if self.gc_pacer is not None else {}),
+            **({"gc": self.gc_pacer.status()} if self.gc_pacer.paced else {}),
         }
 
     def ready(self) -> bool:
@@ -744,11 +739,7 @@ class Service:
         # collections run between batches, at idle moments first (serving.gc_pacer):
         # left to CPython, each walked all of serving's state, 84-223 ms stalls.
         # Without pacing, the freeze alone (as before). ``close`` undoes both.
-        if self.gc_pacer is not None:
-            self.gc_pacer.start()
-        else:
-            gc.collect()
-            gc.freeze()
+        self.gc_pacer.start()
         self._ready = True
         if s.clock == "wall" and self._check_wall_clock not in self.sidecar.hooks:
             self._wall_checked = False
@@ -768,10 +759,7 @@ class Service:
     def close(self) -> None:
         """Flush what is left, then release everything (safe to call twice)."""
         self._ready = False
-        if self.gc_pacer is not None:
-            self.gc_pacer.stop()  # the collector as it was, frozen objects collectable
-        else:
-            gc.unfreeze()  # what ``run`` froze is collectable again
+        self.gc_pacer.stop()  # the collector as it was, frozen objects collectable
         self.models.stop()
         if self.shards is not None:
             self.shards.close()

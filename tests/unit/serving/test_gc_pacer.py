@@ -25,6 +25,11 @@ class _Node:
         self.me = self
 
 
+def _refreezing(clock: _Clock) -> GcPacer:
+    """A pacer whose refreeze comes due within a test (100 s of fake clock)."""
+    return GcPacer(idle_interval_s=1.0, max_interval_s=10.0, refreeze_interval_s=100.0, clock=clock)
+
+
 @pytest.fixture
 def clean_collector():
     gc.unfreeze()
@@ -107,9 +112,7 @@ def test_a_cycle_that_dies_young_is_freed_at_the_next_tick(clean_collector):
 
 def test_a_frozen_cycle_that_dies_later_is_freed_at_the_refreeze(clean_collector):
     clock = _Clock()
-    pacer = GcPacer(
-        idle_interval_s=1.0, max_interval_s=10.0, refreeze_interval_s=100.0, clock=clock
-    )
+    pacer = _refreezing(clock)
     node = _Node()
     ref = weakref.ref(node)
     pacer.start()  # node is alive: frozen
@@ -132,9 +135,7 @@ def test_a_frozen_cycle_that_dies_later_is_freed_at_the_refreeze(clean_collector
 
 def test_under_unbroken_load_the_refreeze_still_comes(clean_collector):
     clock = _Clock()
-    pacer = GcPacer(
-        idle_interval_s=1.0, max_interval_s=10.0, refreeze_interval_s=100.0, clock=clock
-    )
+    pacer = _refreezing(clock)
     pacer.start()
     try:
         for _ in range(19):
