@@ -92,9 +92,11 @@ def run_workload(
     guard: bool,
     quick: bool,
     tiered: list[dict[str, Any]] | None = None,
+    evict_ahead_visits: int = 0,
 ) -> list[dict[str, Any]]:
     """Single-tier rows of the replay comparison for one workload (leak-checked).
-    With ``tiered`` (a list), the tiered rows are replayed too and appended to it."""
+    With ``tiered`` (a list), the tiered rows are replayed too and appended to it.
+    ``evict_ahead_visits``: the planner's batched eviction (0: one round per request)."""
     from training.replay_cli import make_trainer
     from training.report import ComparisonConfig, run_comparison
 
@@ -104,6 +106,7 @@ def run_workload(
         modes=("single", "tiered") if tiered is not None else ("single",),
         peers=peers,
         guard=guard,
+        evict_ahead_visits=evict_ahead_visits,
     )
     report = run_comparison(events, config, trainer=make_trainer(quick))
     leak_check(report.single)
@@ -394,6 +397,15 @@ def plot_tiered(
     "prewarm and vs no prewarm).",
 )
 @click.option(
+    "--evict-ahead-visits",
+    type=click.IntRange(0, 1024),
+    default=0,
+    show_default=True,
+    help="The planner's batched eviction, as kvwarm replay takes it (serving.planner): a "
+    "scored round also queues the victims of about this many more requests. 0: one round "
+    "per request.",
+)
+@click.option(
     "--out",
     "out_dir",
     type=click.Path(file_okay=False, path_type=Path),
@@ -411,6 +423,7 @@ def quality(
     guard: bool,
     full_fit: bool,
     tiered: bool,
+    evict_ahead_visits: int,
     out_dir: Path,
 ) -> None:
     """Replay the workload suite; print per-workload hit ratios and the summary."""
@@ -445,6 +458,7 @@ def quality(
                 guard=guard,
                 quick=not full_fit,
                 tiered=tiered_results.setdefault(name, []) if tiered else None,
+                evict_ahead_visits=evict_ahead_visits,
             )
         except LeakError as exc:
             raise click.ClickException(f"leak check failed on {name}: {exc}") from exc
@@ -477,6 +491,7 @@ def quality(
             "peers": not no_peers,
             "quick_fit": not full_fit,
             "tiered": tiered,
+            "evict_ahead_visits": evict_ahead_visits,
         },
         "sources": sources,
         "results": results,

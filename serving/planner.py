@@ -22,31 +22,33 @@ admission veto: it is not kept in that tier (``bypass``). Demoted blocks may ove
 the next tier, which makes room the same way. Sampled eviction is what LRB and Redis
 use; it keeps the cost per request independent of the cache size.
 
-Batched eviction (``evict_ahead_visits`` > 0, off by default): one scoring call
-costs far more than its rows (feature gathering, the model call, the chain blend: on
-the shared trace ~1.5 ms a round, most of a learned replay's time), so a scored round
-can also queue the next-lowest candidates, about the next ``evict_ahead_visits``
-requests' intake (at most ``evict_ahead_share`` of the tier), and those requests take
-their victims off the queue without a scoring call; the tier stays at capacity. A
-queued block that was read, moved or left the tier since is skipped (its score is
-stale); a queue that runs short or is older than ``4 x evict_ahead_visits`` requests
-gives way to a new round. The round samples ``eviction_sample`` residents per request
-it stands for and scores the blocks those requests stored beside them, so victims are
-chosen about as selectively as one round per request would choose them, but the
-admission veto of a block stored between rounds waits for the next round, and until
-then it holds the room of a queued victim. Measured (LightGBM, single tier, 8 visits,
-1/32): on the shared trace's last 40%, 2 planner seeds each, hit ratio 0.0823 /
-0.1637 / 0.2200 at 1/5/10% against 0.0827 / 0.1629 / 0.2166 with one round per
-request, at 1.0x / 1.6x / 2.2x the block accesses/s; but on the workload suite's
-shared workload (its first 4,000 requests) at 10%, 0.119 against 0.125 (LFU 0.117
-against 0.122), where one-off blocks are many and the deferred veto lets them in.
-Scoring only the stored blocks on the queue path would keep the veto, but a call per
-request and as many rows as before is what the batching saves, so it is off by
-default until an admission rule without the model (or a cheaper one) keeps the veto.
-(Making the blocks stored between rounds the next victims instead, a probation queue,
-was measured too: 0.136 / 0.164 at 5% / 10% on the shared trace, far worse: one round
-per request admits about a quarter of the blocks it stores, and those are the ones
-that count.)
+Batched eviction (``evict_ahead_visits`` > 0; replay's default is 0, the sidecar's 8,
+``serving.settings.SERVING_EVICT_AHEAD_VISITS``): a round's sample of residents costs far
+more than a request's own blocks (each sampled block belongs to another chain, so the
+chain blend scores as many chains as rows; on the shared trace ~1.5 ms a round, most of
+a learned replay's time), so a scored round can also queue the next-lowest candidates,
+about the next ``evict_ahead_visits`` requests' intake (at most ``evict_ahead_share`` of
+the tier), and those requests take their victims off the queue without a round; the
+tier stays at capacity. A queued block that was read, moved or left the tier since is
+skipped (its score is stale); a queue that runs short or is older than ``4 x
+evict_ahead_visits`` requests gives way to a new round. The round samples
+``eviction_sample`` residents per request it stands for, so victims are chosen about as
+selectively as one round per request would choose them. The blocks a request stores
+between rounds face the admission veto at once (``_veto_against_queue``): scored alone
+(a call of the request's own blocks, one chain; blocks demoted from the tier above keep
+the scores they were demoted with, no call), against the victims taken off the queue;
+the lowest of both go, and a spared victim goes back on the queue.
+
+Measured (LightGBM behind the guard, 8 visits, 1/32; ``kvwarm bench quality
+--evict-ahead-visits 8``, seed 0, no peers): the suite's 24 single-tier rows within
+-0.0037 .. +0.0015 of one round per request (mean -0.0001; the shared workload at 10%
+0.1217 against 0.1254), every peer win kept. (Before the veto ran on the queue path it
+waited for the next round, and a one-off block held a queued victim's room until then:
+the shared workload at 10% fell to 0.119. Making the blocks stored between rounds the
+next victims instead, a probation queue, was measured too: 0.136 / 0.164 at 5% / 10% on
+the shared trace, far worse: one round per request admits about a quarter of the blocks
+it stores, and those are the ones that count.) Speed: ``kvwarm bench replay`` prints the
+learned replay both ways (``lightgbm b8``).
 
 Exact recency (``by_recency``, when the served policy ranks blocks by recency alone:
 LRU, or the guard while it serves LRU): the victims are the tier's least recently
@@ -108,13 +110,13 @@ class PlannerParams(BaseModel):
         0,
         ge=0,
         le=1024,
-        description="Batched eviction (off by default): a scored round also queues the "
-        "next-lowest candidates as the victims of about this many more requests (the "
-        "tier's mean intake per request), which take them without a scoring call; the "
-        "round samples ``eviction_sample`` residents per request it stands for, and the "
-        "blocks stored in between face the admission veto at the next round. Faster, "
-        "but the deferred veto costs hit ratio on some workloads (see the module "
-        "docstring). 0: one scoring round per request that overflows the tier.",
+        description="Batched eviction (0 here, as replay runs; the sidecar's own default "
+        "is 8): a scored round also queues the next-lowest candidates as the victims of "
+        "about this many more requests (the tier's mean intake per request), which take "
+        "them without a round; the round samples ``eviction_sample`` residents per request "
+        "it stands for, and the blocks stored in between face the admission veto against "
+        "the queued victims at once, scored alone (see the module docstring). 0: one "
+        "scoring round per request that overflows the tier.",
     )
     evict_ahead_share: float = Field(
         1 / 32,
@@ -366,18 +368,22 @@ class Planner:
         the oldest pinned ones (a request larger than the tier keeps its last blocks,
         as LRU does); all of them go."""
         by_recency = by_recency and self.params.exact_recency
+        stored_scores: list[float] | None = None  # known for blocks demoted from above
         while tier < placement.num_tiers:
             over = placement.overflow(tier)
             if over <= 0:
                 return
             queued = None if by_recency else self._take_queued(placement, tier, over, pinned)
             if queued is not None:
-                # Victims a recent round queued: no scoring call. The blocks this request
-                # stored face the admission veto at the next round.
+                # Victims a recent round queued: no round. The blocks this request stored
+                # face the admission veto against them at once.
                 out, out_scores = queued
-                if self.params.admission:
-                    self._kept.setdefault(tier, []).extend(stored)
-                stored = []
+                if self.params.admission and stored:
+                    out, out_scores = self._veto_against_queue(
+                        tier, out, out_scores, stored, stored_scores, score, now_ms
+                    )
+                else:
+                    stored = []
             else:
                 out, out_scores = self._round(
                     placement, tier, over, pinned, stored, score, now_ms, by_recency
@@ -397,6 +403,36 @@ class Planner:
                 for b, s in zip(out, out_scores, strict=True)
             ]
             tier, pinned, stored = below, set(), (out if to_tier != NOWHERE else [])
+            stored_scores = out_scores
+
+    def _veto_against_queue(
+        self,
+        tier: int,
+        out: list[int],
+        out_scores: list[float],
+        stored: list[int],
+        stored_scores: list[float] | None,
+        score: ScoreFn,
+        now_ms: int,
+    ) -> tuple[list[int], list[float]]:
+        """The admission veto on the queue path: the blocks just stored into ``tier``
+        (scored now, or with the scores they were demoted with from the tier above)
+        against the victims ``out`` taken off its queue. The ``len(out)`` lowest of both
+        go, ties to the queued ones, as a round ranks them; a queued victim spared goes
+        back on the queue, still lowest first. One scoring call of the stored blocks
+        alone, not a round's sample."""
+        if stored_scores is None:
+            stored_scores = score(np.asarray(stored, dtype=np.uint64), now_ms).tolist()
+        blocks = out + stored
+        scores = out_scores + stored_scores
+        ranked = sorted(range(len(blocks)), key=scores.__getitem__)  # stable
+        go = ranked[: len(out)]
+        spared = [i for i in ranked[len(out) :] if i < len(out)]
+        queue, queue_scores = self._queue[tier], self._queue_scores[tier]
+        for i in reversed(spared):  # the queue pops its end: the lowest go back last
+            queue.append(blocks[i])
+            queue_scores.append(scores[i])
+        return [blocks[i] for i in go], [scores[i] for i in go]
 
     def _round(
         self,

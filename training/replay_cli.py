@@ -265,10 +265,10 @@ _common = [
         type=click.IntRange(0, 1024),
         default=0,
         show_default=True,
-        help="Batched eviction: a scored round also queues the victims of about this many "
-        "more requests, which then need no scoring call; faster, but the admission veto "
-        "of blocks stored between rounds waits for the next round (see serving.planner). "
-        "0: one round per request.",
+        help="Batched eviction (the sidecar runs 8): a scored round also queues the victims "
+        "of about this many more requests, which then score only the blocks they store, "
+        "for the admission veto against those victims (see serving.planner). 0: one round "
+        "per request.",
     ),
     click.option(
         "--out",
