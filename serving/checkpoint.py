@@ -104,7 +104,6 @@ STATE_FIELDS: dict[str, tuple[str, ...]] = {
         "_queue_scores",
         "_round_ms",
         "_read_since_round",
-        "_kept",
         "_intake",
         "_round_request",
         "_requests",

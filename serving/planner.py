@@ -155,8 +155,8 @@ class Planner:
         self.rng = np.random.Generator(np.random.PCG64(self.params.seed))
         # Batched eviction (``evict_ahead_visits``), per tier: the victims queued by
         # its last scored round (lowest score last) and their scores, when that round
-        # ran, the blocks stored since (the next round's admission candidates), and the
-        # mean intake per request (blocks over capacity). Requests read only the
+        # ran and at which request, and the mean intake per request (blocks over
+        # capacity). Requests read only the
         # fastest tier in place: the blocks they read since its last round are no
         # longer victims there (their scores are stale); a block read from a lower
         # tier leaves it, which the queue sees.
@@ -164,7 +164,6 @@ class Planner:
         self._queue_scores: dict[int, list[float]] = {}
         self._round_ms: dict[int, int] = {}
         self._read_since_round: dict[int, None] = {}  # a dict: checkpointable
-        self._kept: dict[int, list[int]] = {}
         self._intake: dict[int, float] = {}
         self._round_request: dict[int, int] = {}
         self._requests = 0
@@ -425,7 +424,7 @@ class Planner:
             stored_scores = score(np.asarray(stored, dtype=np.uint64), now_ms).tolist()
         blocks = out + stored
         scores = out_scores + stored_scores
-        ranked = sorted(range(len(blocks)), key=scores.__getitem__)  # stable
+        ranked = np.argsort(np.asarray(scores), kind="stable").tolist()  # as _round ranks
         go = ranked[: len(out)]
         spared = [i for i in ranked[len(out) :] if i < len(out)]
         queue, queue_scores = self._queue[tier], self._queue_scores[tier]
@@ -460,17 +459,10 @@ class Planner:
                 sample = placement.sample(
                     tier, sample_size + over + ahead, self.rng, exclude=pinned
                 )
-                if self.params.admission:
-                    kept = [
-                        b
-                        for b in self._kept.pop(tier, ())
-                        if b not in pinned and placement.tier_of(b) == tier
-                    ]
-                    candidates = sample + kept + stored
-                else:
-                    candidates = list(sample)
                 # Distinct, in first-seen order: a stored block may also have been sampled.
-                candidates = list(dict.fromkeys(candidates))
+                candidates = list(
+                    dict.fromkeys(sample + stored if self.params.admission else sample)
+                )
             else:
                 # A spill of over half the tier (an oversized request, its cascade):
                 # sampling would mostly repeat members; every resident is a candidate,
@@ -504,5 +496,4 @@ class Planner:
             self._round_request[tier] = self._requests
             if tier == 0:
                 self._read_since_round = {}
-            self._kept.pop(tier, None)
         return [candidates[i] for i in victims.tolist()], scores[victims].tolist()
