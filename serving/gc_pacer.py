@@ -76,21 +76,18 @@ class GcPacer:
         self.total_pause_ms = 0.0
 
     def start(self) -> None:
-        """Freeze what is alive and switch automatic full collections off."""
+        """Freeze what is alive (collected first) and, when paced, switch automatic full
+        collections off."""
         global _active, _saved_threshold
         if self._started:
             return
-        if not self.paced:
-            self._started = True
-            gc.collect()
-            gc.freeze()
-            return
-        with _lock:
-            if _active == 0:
-                _saved_threshold = gc.get_threshold()
-                t0, t1, _ = _saved_threshold
-                gc.set_threshold(t0, t1, NEVER)
-            _active += 1
+        if self.paced:
+            with _lock:
+                if _active == 0:
+                    _saved_threshold = gc.get_threshold()
+                    t0, t1, _ = _saved_threshold
+                    gc.set_threshold(t0, t1, NEVER)
+                _active += 1
         self._started = True
         self._collect(refreeze=False)
         self._last_refreeze = self._last

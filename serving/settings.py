@@ -317,7 +317,8 @@ class SidecarSettings(BaseSettings):
         "and sizes the payloads a local executor writes.",
     )
     planner: PlannerParams = Field(
-        default_factory=lambda: PlannerParams(evict_ahead_visits=SERVING_EVICT_AHEAD_VISITS),
+        default_factory=dict,  # through _serving_planner_defaults, as named keys are
+        validate_default=True,
         description="Eviction sample, admission veto, prefetch budget, hysteresis, batched "
         "eviction (the sidecar's own default: evict_ahead_visits "
         f"{SERVING_EVICT_AHEAD_VISITS}, see SERVING_EVICT_AHEAD_VISITS).",
@@ -444,8 +445,8 @@ class SidecarSettings(BaseSettings):
     @field_validator("planner", mode="before")
     @classmethod
     def _serving_planner_defaults(cls, value: Any) -> Any:
-        """Planner keys given by name (env, config file) keep the sidecar's batched
-        eviction unless they name ``evict_ahead_visits`` too."""
+        """The planner's keys given by name (env, config file; none: the default) keep
+        the sidecar's batched eviction unless they name ``evict_ahead_visits`` too."""
         if isinstance(value, dict):
             return {"evict_ahead_visits": SERVING_EVICT_AHEAD_VISITS, **value}
         return value

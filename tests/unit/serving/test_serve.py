@@ -167,18 +167,23 @@ def test_bad_settings_fail_with_a_usage_error(small_trace):
     )
 
 
-def test_the_trace_is_read_once_through(tmp_path):
-    from features.generator import generate_to_file, params_for
-
-    trace = generate_to_file(params_for("chat", num_requests=600, seed=2), tmp_path / "t.jsonl")
-    settings = load_settings(
+def _trace_settings(trace: Path, **extra: object):
+    """A sidecar reading ``trace`` on the event clock, no HTTP, no model polling."""
+    return load_settings(
         None,
         source=f"file:{trace}",
         clock="event",
         http_enabled=False,
         model_poll_interval_s=0,
+        **extra,
     )
-    service = Service(settings)
+
+
+def test_the_trace_is_read_once_through(tmp_path):
+    from features.generator import generate_to_file, params_for
+
+    trace = generate_to_file(params_for("chat", num_requests=600, seed=2), tmp_path / "t.jsonl")
+    service = Service(_trace_settings(trace))
     try:
         stats = service.run()
     finally:
@@ -203,14 +208,7 @@ def test_what_is_alive_when_serving_starts_is_frozen_out_of_the_collector(tmp_pa
     trace = generate_to_file(params_for("chat", num_requests=50, seed=2), tmp_path / "t.jsonl")
     threshold = gc.get_threshold()
     for paced in (True, False):
-        settings = load_settings(
-            None,
-            source=f"file:{trace}",
-            clock="event",
-            http_enabled=False,
-            model_poll_interval_s=0,
-            gc_max_interval_s=60.0 if paced else 0.0,
-        )
+        settings = _trace_settings(trace, gc_max_interval_s=60.0 if paced else 0.0)
         gc.unfreeze()
         service = Service(settings)
         frozen: list[int] = []
