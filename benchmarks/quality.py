@@ -43,6 +43,7 @@ import click
 import numpy as np
 
 from features.events import BlocksAccessed
+from serving.planner import DEFAULT_EVICT_AHEAD_VISITS
 
 GENERATED = ("chat", "rag", "agent", "mixed", "sharedprefix", "diurnal", "scan")
 WORKLOADS = ("shared", *GENERATED)
@@ -92,7 +93,7 @@ def run_workload(
     guard: bool,
     quick: bool,
     tiered: list[dict[str, Any]] | None = None,
-    evict_ahead_visits: int = 0,
+    evict_ahead_visits: int = DEFAULT_EVICT_AHEAD_VISITS,
 ) -> list[dict[str, Any]]:
     """Single-tier rows of the replay comparison for one workload (leak-checked).
     With ``tiered`` (a list), the tiered rows are replayed too and appended to it.
@@ -399,7 +400,7 @@ def plot_tiered(
 @click.option(
     "--evict-ahead-visits",
     type=click.IntRange(0, 1024),
-    default=0,
+    default=DEFAULT_EVICT_AHEAD_VISITS,
     show_default=True,
     help="The planner's batched eviction, as kvwarm replay takes it (serving.planner): a "
     "scored round also queues the victims of about this many more requests. 0: one round "

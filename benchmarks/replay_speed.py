@@ -10,8 +10,9 @@ prints the per-call cost of the tree evaluators side by side on the replay's own
 feature rows (``Booster.predict``, LightGBM's C API by ctypes, the numpy walk of
 ``predictor.trees``, the generated C of ``predictor.compiled_trees``, which the policy
 scores with) and where the replay's time goes (a profile); and the same LightGBM
-replay with batched eviction ("lightgbm b8": ``PlannerParams.evict_ahead_visits=8``,
-off by default), its speed and hit ratio beside the default's.
+replay with one scored eviction round per request ("lightgbm b0":
+``PlannerParams.evict_ahead_visits=0``; the default batches, see ``serving.planner``),
+its speed and hit ratio beside the default's.
 """
 
 from __future__ import annotations
@@ -123,10 +124,10 @@ def replay_bench(
         result = replay_single_tier(runs[0], test, cap)
         click.echo(_row(policy_name, result, base_rate, lrb))
         if policy_name == "lightgbm":
-            # The same with batched eviction (off by default: see serving.planner).
-            batched = PlannerParams(evict_ahead_visits=BATCHED_VISITS)
-            result = replay_single_tier(runs[2], test, cap, planner_params=batched)
-            click.echo(_row(f"{policy_name} b{BATCHED_VISITS}", result, base_rate, lrb))
+            # The same with one scored round per request (the default batches eviction).
+            per_request = PlannerParams(evict_ahead_visits=0)
+            result = replay_single_tier(runs[2], test, cap, planner_params=per_request)
+            click.echo(_row(f"{policy_name} b0", result, base_rate, lrb))
         if policy_name == "lightgbm" and isinstance(policy, LearnedPolicy):
             evaluator_text = _evaluators(policy, test)
             profiler = cProfile.Profile()
@@ -141,10 +142,6 @@ def replay_bench(
     if profile_text:
         click.echo("\nwhere the time goes (lightgbm, first quarter of the replay, by own time):")
         click.echo("\n".join(line for line in profile_text.splitlines() if line.strip())[:3000])
-
-
-BATCHED_VISITS = 8
-"""``PlannerParams.evict_ahead_visits`` of the batched-eviction row ("lightgbm b8")."""
 
 
 def _row(label: str, result: SingleTierResult, base_rate: float, lrb: float | None) -> str:

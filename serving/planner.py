@@ -22,8 +22,8 @@ admission veto: it is not kept in that tier (``bypass``). Demoted blocks may ove
 the next tier, which makes room the same way. Sampled eviction is what LRB and Redis
 use; it keeps the cost per request independent of the cache size.
 
-Batched eviction (``evict_ahead_visits`` > 0; replay's default is 0, the sidecar's 8,
-``serving.settings.SERVING_EVICT_AHEAD_VISITS``): a round's sample of residents costs far
+Batched eviction (``evict_ahead_visits`` > 0, ``DEFAULT_EVICT_AHEAD_VISITS`` by default,
+in the sidecar and in every replay alike; 0: one scored round per request): a round's sample of residents costs far
 more than a request's own blocks (each sampled block belongs to another chain, so the
 chain blend scores as many chains as rows; on the shared trace ~1.5 ms a round, most of
 a learned replay's time), so a scored round can also queue the next-lowest candidates,
@@ -77,6 +77,17 @@ AdmitFn = Callable[[int, int, int], bool]
 """(from tier, to tier, now_ms) -> whether the link's prefetch bandwidth budget has room
 for one more block now; a True answer takes that room (the executor's token bucket)."""
 
+DEFAULT_EVICT_AHEAD_VISITS = 8
+"""Batched eviction by default, in the sidecar and in every replay (``kvwarm replay``,
+``train``'s validation gate, ``kvwarm bench quality``), so what is measured is what is
+served. A round queues the victims of about 8 more requests, which then score only the
+blocks they store, for the admission veto against those victims. Measured: a learned
+sidecar from a file (``kvwarm bench serve``'s workload, 5,000 mixed requests) 1.28-1.33x
+the block accesses/s of one round per request, its scoring time 2.4-2.9 s against
+4.0-5.1 s; ``kvwarm bench replay`` prints both (``lightgbm`` and ``lightgbm b0``).
+``evict_ahead_visits=0`` (``KVWARM_PLANNER__EVICT_AHEAD_VISITS=0``, ``kvwarm replay
+--evict-ahead-visits 0``) restores one round per request."""
+
 
 class PlannerParams(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
@@ -107,11 +118,10 @@ class PlannerParams(BaseModel):
         "policy ranks by recency (LRU); False: sample as for any policy.",
     )
     evict_ahead_visits: int = Field(
-        0,
+        DEFAULT_EVICT_AHEAD_VISITS,
         ge=0,
         le=1024,
-        description="Batched eviction (0 here, as replay runs; the sidecar's own default "
-        "is 8): a scored round also queues the next-lowest candidates as the victims of "
+        description="Batched eviction: a scored round also queues the next-lowest candidates as the victims of "
         "about this many more requests (the tier's mean intake per request), which take "
         "them without a round; the round samples ``eviction_sample`` residents per request "
         "it stands for, and the blocks stored in between face the admission veto against "

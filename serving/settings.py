@@ -51,18 +51,6 @@ from executor.adapters.lmcache import params_from_url
 from serving import defaults
 from serving.planner import PlannerParams
 
-SERVING_EVICT_AHEAD_VISITS = 8
-"""The sidecar's batched eviction (``PlannerParams.evict_ahead_visits``; replay keeps 0,
-one scored round per request, so the README's replay tables stand as measured). A round
-queues the victims of about 8 more requests, which then score only the blocks they
-store, for the admission veto against those victims. Measured: a learned sidecar from a
-file (``kvwarm bench serve``'s workload, 5,000 mixed requests) 1.28-1.33x the block
-accesses/s of one round per request, its scoring time 2.4-2.9 s against 4.0-5.1 s; the
-workload suite single tier (``kvwarm bench quality --evict-ahead-visits 8``, seed 0,
-LightGBM behind the guard) within -0.0037 .. +0.0015 of one round per request on its 24
-rows, mean -0.0001 (``docs/results/quality/batched/``). ``KVWARM_PLANNER__EVICT_AHEAD_VISITS=0``
-restores one round per request."""
-
 DEFAULT_EVENTS_TOPIC = "kv-events"
 """Topic of access and residency events: what ``produce`` and ``bridge`` write and
 ``serve`` reads unless told otherwise."""
@@ -317,11 +305,9 @@ class SidecarSettings(BaseSettings):
         "and sizes the payloads a local executor writes.",
     )
     planner: PlannerParams = Field(
-        default_factory=dict,  # through _serving_planner_defaults, as named keys are
-        validate_default=True,
+        default_factory=PlannerParams,
         description="Eviction sample, admission veto, prefetch budget, hysteresis, batched "
-        "eviction (the sidecar's own default: evict_ahead_visits "
-        f"{SERVING_EVICT_AHEAD_VISITS}, see SERVING_EVICT_AHEAD_VISITS).",
+        "eviction (serving.planner.PlannerParams).",
     )
     prefetch: bool = Field(True, description="Run speculative prefetch rounds.")
     guard: bool = Field(
@@ -441,15 +427,6 @@ class SidecarSettings(BaseSettings):
         description="The engine model's tokenizer.json: lets POST /v1/requests take text "
         "instead of token ids (needs the 'tokenizers' package).",
     )
-
-    @field_validator("planner", mode="before")
-    @classmethod
-    def _serving_planner_defaults(cls, value: Any) -> Any:
-        """The planner's keys given by name (env, config file; none: the default) keep
-        the sidecar's batched eviction unless they name ``evict_ahead_visits`` too."""
-        if isinstance(value, dict):
-            return {"evict_ahead_visits": SERVING_EVICT_AHEAD_VISITS, **value}
-        return value
 
     @field_validator("source")
     @classmethod

@@ -16,6 +16,7 @@ from features.decoders import TIME_UNITS, RejectLog, TraceFormatError, read_trac
 from features.events import BlocksAccessed
 from features.stats_cli import parse_fractions
 from predictor.base import Policy
+from serving.planner import DEFAULT_EVICT_AHEAD_VISITS
 from training.report import (
     DEFAULT_POLICIES,
     LEARNED,
@@ -263,9 +264,9 @@ _common = [
     click.option(
         "--evict-ahead-visits",
         type=click.IntRange(0, 1024),
-        default=0,
+        default=DEFAULT_EVICT_AHEAD_VISITS,
         show_default=True,
-        help="Batched eviction (the sidecar runs 8): a scored round also queues the victims "
+        help="Batched eviction, as the sidecar runs it: a scored round also queues the victims "
         "of about this many more requests, which then score only the blocks they store, "
         "for the admission veto against those victims (see serving.planner). 0: one round "
         "per request.",

@@ -42,7 +42,7 @@ from predictor.guard import memory_capacity_blocks
 from predictor.learned import LearnedPolicy
 from predictor.oracle import FutureAccesses
 from predictor.registry import make_policy
-from serving.planner import PlannerParams
+from serving.planner import DEFAULT_EVICT_AHEAD_VISITS, PlannerParams
 from training.replay import (
     SingleTierResult,
     distinct_blocks,
@@ -91,8 +91,8 @@ class ComparisonConfig:
     """Closed loop: mean think time between a client's requests (exponential)."""
     peers: bool = True
     eviction_sample: int = 64
-    evict_ahead_visits: int = 0
-    """Batched eviction (``PlannerParams.evict_ahead_visits``; 0: off, the default)."""
+    evict_ahead_visits: int = DEFAULT_EVICT_AHEAD_VISITS
+    """Batched eviction (``PlannerParams.evict_ahead_visits``; 0: one round per request)."""
     seed: int = 0
     guard: bool = True
     """Serve learned policies behind the online guard (``predictor.guard``), as serving does."""

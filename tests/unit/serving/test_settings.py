@@ -3,9 +3,8 @@ from __future__ import annotations
 import pytest
 from pydantic import ValidationError
 
-from serving.planner import PlannerParams
+from serving.planner import DEFAULT_EVICT_AHEAD_VISITS, PlannerParams
 from serving.settings import (
-    SERVING_EVICT_AHEAD_VISITS,
     SettingsError,
     SidecarSettings,
     load_settings,
@@ -50,19 +49,18 @@ def test_priority_is_flags_then_env_then_file(tmp_path, monkeypatch):
     assert settings.planner.eviction_sample == 8
     assert settings.planner.prefetch_budget_blocks == 5
     assert settings.planner.min_residency_ms == 2_000  # fields not given keep their defaults
-    assert settings.planner.evict_ahead_visits == SERVING_EVICT_AHEAD_VISITS  # the sidecar's
+    assert settings.planner.evict_ahead_visits == DEFAULT_EVICT_AHEAD_VISITS  # the sidecar's
     assert settings.model == "lru"  # a None flag is "not given"
 
 
 def test_the_sidecar_batches_eviction_unless_told_otherwise(tmp_path, monkeypatch):
-    # Replay's planner default is one round per request; the sidecar's is batched, and
-    # naming other planner keys (env, file) does not silently drop back to replay's.
-    assert PlannerParams().evict_ahead_visits == 0
-    assert SidecarSettings().planner.evict_ahead_visits == SERVING_EVICT_AHEAD_VISITS > 0
+    # Replay and the sidecar batch alike; naming other planner keys (env, file) keeps it.
+    assert PlannerParams().evict_ahead_visits == DEFAULT_EVICT_AHEAD_VISITS > 0
+    assert SidecarSettings().planner.evict_ahead_visits == DEFAULT_EVICT_AHEAD_VISITS
     monkeypatch.setenv("KVWARM_PLANNER__EVICTION_SAMPLE", "32")
     settings = load_settings()
     assert settings.planner.eviction_sample == 32
-    assert settings.planner.evict_ahead_visits == SERVING_EVICT_AHEAD_VISITS
+    assert settings.planner.evict_ahead_visits == DEFAULT_EVICT_AHEAD_VISITS
     monkeypatch.setenv("KVWARM_PLANNER__EVICT_AHEAD_VISITS", "0")
     assert load_settings().planner.evict_ahead_visits == 0
     monkeypatch.delenv("KVWARM_PLANNER__EVICT_AHEAD_VISITS")
@@ -70,7 +68,8 @@ def test_the_sidecar_batches_eviction_unless_told_otherwise(tmp_path, monkeypatc
     config.write_text("[planner]\nevict_ahead_visits = 3\n")
     assert load_settings(config).planner.evict_ahead_visits == 3
     # A PlannerParams given whole is taken as it is.
-    assert load_settings(planner=PlannerParams()).planner.evict_ahead_visits == 0
+    given = PlannerParams(evict_ahead_visits=0)
+    assert load_settings(planner=given).planner.evict_ahead_visits == 0
 
 
 def test_yaml_config_and_kvwarm_config_env(tmp_path, monkeypatch):
