@@ -28,6 +28,7 @@ all four side by side.
 from __future__ import annotations
 
 import ctypes
+import logging
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -43,6 +44,8 @@ from predictor.compiled_trees import CompiledTrees, compile_ensemble
 from predictor.learned import LearnedParams, LearnedPolicy
 from predictor.model_check import read_model_text, without_tree_sizes
 from predictor.trees import TreeEnsemble, parse_lightgbm_model
+
+log = logging.getLogger(__name__)
 
 MODEL_FILE = "model.txt"
 
@@ -250,6 +253,29 @@ class TreeModel:
         if self.compiled is not None:
             return self.trees.transform(self.compiled.predict_raw(features))
         return predict_rows(self.booster, features)
+
+    def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
+        # A pickle (a replay worker's job) names the compiled library by path; the
+        # worker may find it pruned from the cache by other processes' compiles.
+        library = self.compiled.library if self.compiled is not None else None
+        return (_unpickle_tree_model, (self.booster, self.trees, library, self.evaluator))
+
+
+def _unpickle_tree_model(
+    booster: lgb.Booster, trees: TreeEnsemble, library: Path | None, evaluator: str
+) -> TreeModel:
+    """A pickled ``TreeModel`` in this process: its compiled library loaded by path,
+    or, where that file is gone (the cache keeps the ``MAX_CACHED_LIBRARIES`` most
+    recently used), compiled again from ``trees`` (the same source, the same file), else
+    LightGBM's predictor with the reason in ``evaluator``; never an unpickling error."""
+    if library is None:
+        return TreeModel(booster, trees, None, evaluator)
+    try:
+        return TreeModel(booster, trees, CompiledTrees(library, trees.num_features), evaluator)
+    except OSError:
+        log.info("compiled trees %s are gone from the cache: compiling them again", library.name)
+        compiled, evaluator = _compiled(trees)
+        return TreeModel(booster, trees, compiled, evaluator)
 
 
 def tree_model(text: str, path: str | Path = "<model text>") -> TreeModel:

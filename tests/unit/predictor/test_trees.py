@@ -303,3 +303,56 @@ def test_the_library_cache_keeps_the_most_recently_used(
     # The first model's library went; compiling it again works (and evicts another).
     assert compiled_trees.compile_ensemble(ensembles[0]) is not None
     assert len(list(tree_cache.glob("trees-*.so"))) == 2
+
+
+_UNPICKLE = """
+import pickle, sys
+import numpy as np
+policy = pickle.loads(open(sys.argv[1], "rb").read())
+x = np.load(sys.argv[2])
+np.save(sys.argv[3], policy.predict_features(x))
+print(policy.evaluator)
+"""
+
+
+@needs_cc
+def test_a_pickled_model_whose_library_was_pruned_compiles_it_again(
+    tree_cache: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A replay worker (a fresh process) unpickles a policy whose compiled library other
+    # processes' compiles may have pruned from the cache in between: it compiles the
+    # library again, or scores with LightGBM's predictor; it never fails to unpickle.
+    import pickle
+    import subprocess
+    import sys
+
+    policy = LightGBMPolicy()
+    width = len(policy.feature_names)
+    rng = np.random.default_rng(2)
+    x = rng.normal(size=(2000, width)).astype(np.float32)
+    y = (x[:, 0] - x[:, 2] > 0).astype(np.float32)
+    policy.fit(x[:1500], y[:1500], x[1500:], y[1500:])
+    assert policy.compiled is not None
+    blob, rows, out = tmp_path / "policy.pkl", tmp_path / "x.npy", tmp_path / "scores.npy"
+    blob.write_bytes(pickle.dumps(policy))
+    np.save(rows, x)
+    library = policy.compiled.library
+    expected = policy.predict_features(x)
+
+    def unpickle_elsewhere() -> str:
+        done = subprocess.run(
+            [sys.executable, "-c", _UNPICKLE, str(blob), str(rows), str(out)],
+            capture_output=True, text=True, timeout=300, check=False,
+        )  # fmt: skip
+        assert done.returncode == 0, done.stderr[-3000:]
+        return done.stdout.strip()
+
+    library.unlink()
+    assert unpickle_elsewhere() == "compiled"
+    assert library.is_file()  # compiled again, under the same name
+    assert np.array_equal(np.load(out), expected)
+    library.unlink()
+    monkeypatch.setenv("CC", "no-such-compiler-kvwarm")
+    evaluator = unpickle_elsewhere()
+    assert evaluator.startswith("lightgbm") and "no-such-compiler-kvwarm" in evaluator
+    assert np.abs(np.load(out) - expected).max() <= 1e-6
