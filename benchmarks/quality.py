@@ -44,6 +44,7 @@ import numpy as np
 
 from features.events import BlocksAccessed
 from serving.planner import DEFAULT_EVICT_AHEAD_VISITS
+from training.replay_cli import EVICT_AHEAD_OPTION
 
 GENERATED = ("chat", "rag", "agent", "mixed", "sharedprefix", "diurnal", "scan")
 WORKLOADS = ("shared", *GENERATED)
@@ -397,15 +398,7 @@ def plot_tiered(
     help="Also replay every workload through the tiered simulation (TTFT p50 vs LRU with "
     "prewarm and vs no prewarm).",
 )
-@click.option(
-    "--evict-ahead-visits",
-    type=click.IntRange(0, 1024),
-    default=DEFAULT_EVICT_AHEAD_VISITS,
-    show_default=True,
-    help="The planner's batched eviction, as kvwarm replay takes it (serving.planner): a "
-    "scored round also queues the victims of about this many more requests. 0: one round "
-    "per request.",
-)
+@EVICT_AHEAD_OPTION
 @click.option(
     "--out",
     "out_dir",

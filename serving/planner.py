@@ -23,21 +23,22 @@ the next tier, which makes room the same way. Sampled eviction is what LRB and R
 use; it keeps the cost per request independent of the cache size.
 
 Batched eviction (``evict_ahead_visits`` > 0, ``DEFAULT_EVICT_AHEAD_VISITS`` by default,
-in the sidecar and in every replay alike; 0: one scored round per request): a round's sample of residents costs far
-more than a request's own blocks (each sampled block belongs to another chain, so the
-chain blend scores as many chains as rows; on the shared trace ~1.5 ms a round, most of
-a learned replay's time), so a scored round can also queue the next-lowest candidates,
-about the next ``evict_ahead_visits`` requests' intake (at most ``evict_ahead_share`` of
-the tier), and those requests take their victims off the queue without a round; the
-tier stays at capacity. A queued block that was read, moved or left the tier since is
-skipped (its score is stale); a queue that runs short or is older than ``4 x
-evict_ahead_visits`` requests gives way to a new round. The round samples
-``eviction_sample`` residents per request it stands for, so victims are chosen about as
-selectively as one round per request would choose them. The blocks a request stores
-between rounds face the admission veto at once (``_veto_against_queue``): scored alone
-(a call of the request's own blocks, one chain; blocks demoted from the tier above keep
-the scores they were demoted with, no call), against the victims taken off the queue;
-the lowest of both go, and a spared victim goes back on the queue.
+in the sidecar and in every replay alike; 0: one scored round per request): a round's
+sample of residents costs far more than a request's own blocks (each sampled block
+belongs to another chain, so the chain blend scores as many chains as rows; on the
+shared trace ~1.5 ms a round, most of a learned replay's time), so a scored round can
+also queue the next-lowest candidates, about the next ``evict_ahead_visits`` requests'
+intake (at most ``evict_ahead_share`` of the tier), and those requests take their
+victims off the queue without a round; the tier stays at capacity. A queued block that
+was read, moved or left the tier since is skipped (its score is stale); a queue that
+runs short or is older than ``4 x evict_ahead_visits`` requests gives way to a new
+round. The round samples ``eviction_sample`` residents per request it stands for, so
+victims are chosen about as selectively as one round per request would choose them. The
+blocks a request stores between rounds face the admission veto at once
+(``_veto_against_queue``): scored alone (a call of the request's own blocks, one chain;
+blocks demoted from the tier above keep the scores they were demoted with, no call),
+against the victims taken off the queue; the lowest of both go, and a spared victim goes
+back on the queue.
 
 Measured (LightGBM behind the guard, 8 visits, 1/32; ``kvwarm bench quality
 --evict-ahead-visits 8``, seed 0, no peers): the suite's 24 single-tier rows within
@@ -48,7 +49,7 @@ the shared workload at 10% fell to 0.119. Making the blocks stored between round
 next victims instead, a probation queue, was measured too: 0.136 / 0.164 at 5% / 10% on
 the shared trace, far worse: one round per request admits about a quarter of the blocks
 it stores, and those are the ones that count.) Speed: ``kvwarm bench replay`` prints the
-learned replay both ways (``lightgbm b8``).
+learned replay both ways (``lightgbm``, batched, and ``lightgbm b0``).
 
 Exact recency (``by_recency``, when the served policy ranks blocks by recency alone:
 LRU, or the guard while it serves LRU): the victims are the tier's least recently
@@ -121,12 +122,13 @@ class PlannerParams(BaseModel):
         DEFAULT_EVICT_AHEAD_VISITS,
         ge=0,
         le=1024,
-        description="Batched eviction: a scored round also queues the next-lowest candidates as the victims of "
-        "about this many more requests (the tier's mean intake per request), which take "
-        "them without a round; the round samples ``eviction_sample`` residents per request "
-        "it stands for, and the blocks stored in between face the admission veto against "
-        "the queued victims at once, scored alone (see the module docstring). 0: one "
-        "scoring round per request that overflows the tier.",
+        description="Batched eviction: a scored round also queues the next-lowest "
+        "candidates as the victims of about this many more requests (the tier's mean "
+        "intake per request), which take them without a round; the round samples "
+        "``eviction_sample`` residents per request it stands for, and the blocks stored in "
+        "between face the admission veto against the queued victims at once, scored alone "
+        "(see the module docstring). 0: one scoring round per request that overflows the "
+        "tier.",
     )
     evict_ahead_share: float = Field(
         1 / 32,
@@ -166,10 +168,9 @@ class Planner:
         # Batched eviction (``evict_ahead_visits``), per tier: the victims queued by
         # its last scored round (lowest score last) and their scores, when that round
         # ran and at which request, and the mean intake per request (blocks over
-        # capacity). Requests read only the
-        # fastest tier in place: the blocks they read since its last round are no
-        # longer victims there (their scores are stale); a block read from a lower
-        # tier leaves it, which the queue sees.
+        # capacity). Requests read only the fastest tier in place: the blocks they read
+        # since its last round are no longer victims there (their scores are stale); a
+        # block read from a lower tier leaves it, which the queue sees.
         self._queue: dict[int, list[int]] = {}
         self._queue_scores: dict[int, list[float]] = {}
         self._round_ms: dict[int, int] = {}

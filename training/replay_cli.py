@@ -188,6 +188,18 @@ def _run(
     return report
 
 
+EVICT_AHEAD_OPTION = click.option(
+    "--evict-ahead-visits",
+    type=click.IntRange(0, 1024),
+    default=DEFAULT_EVICT_AHEAD_VISITS,
+    show_default=True,
+    help="Batched eviction, as the sidecar runs it: a scored round also queues the victims "
+    "of about this many more requests, which then score only the blocks they store, for "
+    "the admission veto against those victims (see serving.planner). 0: one round per "
+    "request.",
+)
+"""``--evict-ahead-visits``, shared with ``kvwarm bench quality``."""
+
 _common = [
     click.option(
         "--policies",
@@ -261,16 +273,7 @@ _common = [
         help="Serve learned policies behind the online guard (ghost caches of the model, "
         "LRU, LFU and LRU-2; the best one serves), as kvwarm serve does.",
     ),
-    click.option(
-        "--evict-ahead-visits",
-        type=click.IntRange(0, 1024),
-        default=DEFAULT_EVICT_AHEAD_VISITS,
-        show_default=True,
-        help="Batched eviction, as the sidecar runs it: a scored round also queues the victims "
-        "of about this many more requests, which then score only the blocks they store, "
-        "for the admission veto against those victims (see serving.planner). 0: one round "
-        "per request.",
-    ),
+    EVICT_AHEAD_OPTION,
     click.option(
         "--out",
         "out_dir",
