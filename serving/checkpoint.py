@@ -118,6 +118,9 @@ STATE_FIELDS: dict[str, tuple[str, ...]] = {
         "num_skipped",
         "tier_weights",
         "tier_rounds",
+        "pending_scores",
+        "outcomes",
+        "scale",
     ),
 }
 
