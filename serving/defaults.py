@@ -30,9 +30,9 @@ PREFETCH_LEVELS: Final = 2
 PREFETCH_MIN_PRECISION: Final = 0.25
 """Speculative prefetch into a tier takes the candidates scored where at least this
 share of its recent prefetches was read before leaving it (``serving.prefetch_gate``:
-a score floor per tier; one round in ten probes below it). Wasted prefetches take link
-bandwidth from demand loads: on the seed's long-context setting, ungated prefetch at
-precision 0.13-0.15 made TTFT p50 5-13% worse than prewarming alone."""
+a score floor per tier; one round in ten probes below it). Wasted prefetches take link bandwidth from demand loads: on the seed's
+long-context setting, ungated prefetch at precision 0.13-0.15 made TTFT p50 5-13%
+worse than prewarming alone."""
 
 # -- the online guard (predictor.guard) ----------------------------------------------------
 GUARD_MEMORY_TIERS: Final = ("hbm", "dram")

@@ -96,9 +96,6 @@ class PrefetchGate:
         """Outcomes per group of the floor (``floors``); fewer of the current scale: no
         floor."""
         self.floor_margin_se = FLOOR_MARGIN_SE
-        self._resolved = 0
-        """Outcomes kept so far, every tier: with the scale, the floors' cache key."""
-        self._floors_cache: dict[int, tuple[tuple[int, int, str], Any]] = {}
         self.num_used = 0
         self.num_wasted = 0
         self.num_rounds = 0
@@ -169,15 +166,6 @@ class PrefetchGate:
         Each group stands for its own scores: a prefetch below the floor is made in
         probe rounds only, so pooling the groups would weigh the well-read top too much."""
         scale, size = self.scale, self.floor_group
-        key = (len(self.outcomes.get(tier, ())), self._resolved, scale)
-        cached = self._floors_cache.get(tier)
-        if cached is not None and cached[0] == key:
-            return cached[1]  # no outcome since: the same floors, without a sort
-        floors = self._floors(tier, scale, size)
-        self._floors_cache[tier] = (key, floors)
-        return floors
-
-    def _floors(self, tier: int, scale: str, size: int) -> tuple[float | None, float] | None:
         read_by_score = sorted(
             ((score, read) for score, read, sc in self.outcomes.get(tier, ()) if sc == scale),
             key=lambda o: -o[0],
@@ -220,7 +208,6 @@ class PrefetchGate:
             if outcomes is None:
                 outcomes = self.outcomes[tier] = deque(maxlen=self.window)
             outcomes.append((scored[0], int(used), scored[1]))
-            self._resolved += 1
         if used:
             self.num_used += 1
         else:
