@@ -118,9 +118,6 @@ STATE_FIELDS: dict[str, tuple[str, ...]] = {
         "num_skipped",
         "tier_weights",
         "tier_rounds",
-        "pending_scores",
-        "outcomes",
-        "scale",
     ),
 }
 

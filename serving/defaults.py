@@ -28,9 +28,9 @@ PREFETCH_LEVELS: Final = 2
 """Prefetch rounds target the fastest this-many tiers (each from the tiers below it)."""
 
 PREFETCH_MIN_PRECISION: Final = 0.25
-"""Speculative prefetch into a tier takes the candidates scored where at least this
-share of its recent prefetches was read before leaving it (``serving.prefetch_gate``:
-a score floor per tier; one round in ten probes below it). Wasted prefetches take link bandwidth from demand loads: on the seed's
+"""Speculative prefetch rounds run while at least this share of prefetched blocks is
+read before leaving its tier (``serving.prefetch_gate``); below it, one round in ten
+probes. Wasted prefetches take link bandwidth from demand loads: on the seed's
 long-context setting, ungated prefetch at precision 0.13-0.15 made TTFT p50 5-13%
 worse than prewarming alone."""
 

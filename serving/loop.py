@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import itertools
 import logging
-import math
 import threading
 import time
 from collections import deque
@@ -167,13 +166,8 @@ class Sidecar:
         self._last_prefetch_ms = now_ms
         gate = self.prefetch_gate
         levels = min(self.prefetch_levels, self.placement.num_tiers - 1)
-        # Each target tier is gated on the precision of its own prefetches: all of its
-        # candidates, those above a score floor, or none (``serving.prefetch_gate``).
-        targets: dict[int, float] = {t: -math.inf for t in range(levels)}
-        if gate is not None:
-            gate.set_scale(self._score_scale())
-            floors = {t: gate.round_floor(t) for t in range(levels)}
-            targets = {t: floor for t, floor in floors.items() if floor is not None}
+        # Each target tier is gated on the precision of its own prefetches.
+        targets = [t for t in range(levels) if gate is None or gate.allow_round(t)]
         if not targets:
             return []
         steps = self._prefetch_round(now_ms, targets)
@@ -189,12 +183,6 @@ class Sidecar:
         if moves:
             self._emit(None, moves, now_ms)
         return moves
-
-    def _score_scale(self) -> str:
-        """What the scores of a prefetch made now are on: the serving policy, and the
-        candidate a guard serves (its scores are that candidate's)."""
-        chosen = getattr(self.policy, "chosen", None)
-        return f"{self.policy.name}/{chosen}" if isinstance(chosen, str) else self.policy.name
 
     def _step_round(self, now_ms: int, *, first: bool = False) -> list[Move]:
         """One step of the round under way, at ``now_ms``; its moves are emitted."""
@@ -214,13 +202,12 @@ class Sidecar:
         self._round = None
 
     def _prefetch_round(
-        self, now_ms: int, targets: dict[int, float]
+        self, now_ms: int, targets: list[int]
     ) -> Generator[list[Move], int | None, list[Move]]:
         """The steps of one prefetch round (name the candidates, score them, fill each
-        target tier, with the lowest score it takes: ``targets``): each but the last
-        yields the moves it made and is sent the time of the next one (nothing sent: the
-        time stays, as when the steps run back to back, inline); the last returns its
-        moves."""
+        target tier): each but the last yields the moves it made and is sent the time
+        of the next one (nothing sent: the time stays, as when the steps run back to
+        back, inline); the last returns its moves."""
         # Blocks of recent requests, then what the policy expects back soon beyond them.
         predicted = self.policy.prefetch_candidates(now_ms, PREDICTED_CANDIDATES).tolist()
         recent = list(
@@ -274,7 +261,6 @@ class Sidecar:
                 target,
                 self.prefetch_admit,
                 self.policy.ranks_by_recency,
-                min_score=targets[target],
             )
         return moves
 

@@ -62,7 +62,6 @@ Same cost per request: O(overflow) from the front of the order.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 from typing import Literal, NamedTuple, get_args
 
@@ -228,12 +227,10 @@ class Planner:
         target: int = 0,
         admit: AdmitFn | None = None,
         by_recency: bool = False,
-        min_score: float = -math.inf,
     ) -> list[Move]:
         """Promote the best ``candidates`` sitting below ``target`` into ``target`` while
         they outscore its weakest sampled residents, at most ``prefetch_budget_blocks``
-        per round, only as far as ``admit`` (the links' bandwidth budgets) allows, and
-        none scored below ``min_score`` (the prefetch gate's floor)."""
+        per round and only as far as ``admit`` (the links' bandwidth budgets) allows."""
         budget = self.params.prefetch_budget_blocks
         if budget <= 0 or not candidates:
             return []
@@ -257,8 +254,6 @@ class Planner:
         res_order = list(np.argsort(res_scores, kind="stable"))
         for i in order.tolist():
             block, s = lower[i], float(lower_scores[i])
-            if s < min_score:
-                break  # descending order: no later candidate reaches the floor either
             if free <= 0:
                 if not res_order:
                     break

@@ -21,44 +21,15 @@ than one prefetched into a small, fast-churning one (HBM); one pooled figure clo
 both at once (shared trace, 4,000 requests, HBM 1%: 1,469 of 1,657 rounds skipped, so
 NVMe-to-DRAM prefetch that pays was skipped with HBM prefetch that did not).
 ``allow_round()`` without a tier gates on the pooled precision.
-
-A score floor per target tier (``round_floor``, what the sidecar asks): a prefetch's
-outcome is kept with the score its candidate had, and a tier's rounds take only the
-candidates scored where its recent prefetches were read often enough. Its last
-``window`` outcomes, ranked by score, are cut into groups of ``floor_group``; the floor is
-the lowest score of the last group, from the top, down to which every group was read at
-least ``min_precision`` of the time (plus ``FLOOR_MARGIN_SE`` standard errors). One
-round in ``probe_every`` probes one group lower, so the floor follows the workload; where
-even the top group falls short, only those probes run, with every candidate. Outcomes
-are kept per score scale (``set_scale``: the policy serving when the block was
-prefetched), as a guard switching candidates switches scores too; until a scale has a
-group of outcomes, its rounds are all or nothing on the tier's pooled precision, as
-above. Why: on the shared trace (full replay, LightGBM behind the guard, prefetches into
-HBM) the precision was 0.16 over all of them at HBM 5% and 0.31 over the better half by
-score, which held 98% of those read; at 1%, 0.13 over all, 0.27 over the best fifth and
-0.35 over the best tenth; an all-or-nothing gate ran one round in ten with every
-candidate, the wasted ones included.
 """
 
 from __future__ import annotations
 
-import math
-from collections import deque
 from collections.abc import Iterable
 from typing import Any
 
 from serving.placement import NOWHERE
 from serving.planner import Move
-
-FLOOR_MARGIN_SE = 0.5
-"""A group of outcomes sets the floor when its read share is at least the gate's
-precision plus this many standard errors. Measured on the shared trace (full replay,
-LightGBM behind the guard, HBM prefetch precision at HBM 1 / 5%, the blocks prefetched
-and TTFT p50 against no prewarm): 0 gives 0.20 / 0.25 (6,645 / 939 blocks; -6.1 /
--5.3%), 0.5 gives 0.28 / 0.26 (3,127 / 979; -5.9 / -5.5%), 1.0 gives 0.23 / 0.27
-(6,099 / 964; -6.1 / -5.5%); groups of 100 instead of 50 at 0: 0.15 / 0.20. The gate
-all or nothing: 0.12 / 0.14 (15,968 / 1,748; -6.1 / -5.3%). So the floor about doubles
-the precision, which moves by a few hundredths from one setting to the next."""
 
 
 class PrefetchGate:
@@ -86,16 +57,6 @@ class PrefetchGate:
         self.tier_rounds: dict[int, int] = {}
         self.pending: dict[int, int] = {}
         """Prefetched block -> the tier it was prefetched into, until resolved."""
-        self.pending_scores: dict[int, tuple[float, str]] = {}
-        """Prefetched block -> (its score, the score scale), for the floor."""
-        self.outcomes: dict[int, deque[tuple[float, int, str]]] = {}
-        """Target tier -> its last ``window`` resolved prefetches: (score, read, scale)."""
-        self.scale = ""
-        """The score scale of prefetches made now (``set_scale``)."""
-        self.floor_group = 50
-        """Outcomes per group of the floor (``floors``); fewer of the current scale: no
-        floor."""
-        self.floor_margin_se = FLOOR_MARGIN_SE
         self.num_used = 0
         self.num_wasted = 0
         self.num_rounds = 0
@@ -130,84 +91,12 @@ class PrefetchGate:
         self.num_skipped += 1
         return False
 
-    def set_scale(self, scale: str) -> None:
-        """The policy whose scores prefetches carry from now on (its name; a guard's
-        chosen candidate): floors are set on outcomes of the same scale only."""
-        self.scale = scale
-
-    def round_floor(self, tier: int) -> float | None:
-        """The lowest score a candidate prefetched into ``tier`` this round may have
-        (-inf: every candidate), or None: the round is skipped. The round is counted.
-        With ``floor_group`` outcomes of the current scale or more, the floor
-        (``floors``), one group lower in a probe round; with fewer, every candidate
-        while the tier's precision is at least ``min_precision`` and in a probe round,
-        none otherwise."""
-        rounds = self.tier_rounds[tier] = self.tier_rounds.get(tier, 0) + 1
-        if tier == 0:
-            self.num_rounds += 1
-        probe = rounds % self.probe_every == 0
-        floors = self.floors(tier)
-        if floors is None:
-            floor = -math.inf if probe or self.precision_of(tier) >= self.min_precision else None
-        else:
-            floor = floors[1] if probe else floors[0]
-        if floor is None:
-            self.num_skipped += 1
-        return floor
-
-    def floors(self, tier: int) -> tuple[float | None, float] | None:
-        """(floor, probe floor) of ``tier`` from its recent outcomes of the current
-        scale, ranked by score and cut into groups of ``floor_group``: the floor is the
-        lowest score of the last group, from the top, down to which every group was
-        read at least ``min_precision`` of the time (-inf when all were; None when the
-        top group was not); the probe floor is the lowest score of the group below it
-        (-inf when there is none, or when even the top group fell short: then every
-        candidate is measured again). None with fewer than ``floor_group`` outcomes.
-        Each group stands for its own scores: a prefetch below the floor is made in
-        probe rounds only, so pooling the groups would weigh the well-read top too much."""
-        scale, size = self.scale, self.floor_group
-        read_by_score = sorted(
-            ((score, read) for score, read, sc in self.outcomes.get(tier, ()) if sc == scale),
-            key=lambda o: -o[0],
-        )
-        if len(read_by_score) < size:
-            return None
-        # A group passes at min_precision plus ``floor_margin_se`` standard errors: the
-        # floor extends down group by group while they pass, so a group passing on luck
-        # alone would pull it too low.
-        p = self.min_precision
-        needed = (p + self.floor_margin_se * math.sqrt(p * (1.0 - p) / size)) * size
-        passing = 0
-        for start in range(0, len(read_by_score) - size + 1, size):
-            group = read_by_score[start : start + size]
-            if sum(read for _, read in group) < needed:
-                break
-            passing += 1
-        full = len(read_by_score) // size
-        if passing == 0:
-            return None, -math.inf
-        if passing == full:
-            return -math.inf, -math.inf
-        return read_by_score[passing * size - 1][0], read_by_score[(passing + 1) * size - 1][0]
-
-    def floor_of(self, tier: int) -> float | None:
-        """The floor alone (``floors``): -inf, a score, or None (no floor: too few
-        outcomes of the current scale, or none of its scores read often enough)."""
-        floors = self.floors(tier)
-        return None if floors is None else floors[0]
-
-    def _resolve(self, used: bool, tier: int = 0, block: int | None = None) -> None:
+    def _resolve(self, used: bool, tier: int = 0) -> None:
         self.used_weight = self.used_weight * self._decay + (1.0 if used else 0.0)
         self.total_weight = self.total_weight * self._decay + 1.0
         w = self.tier_weights.setdefault(tier, [self.prior_outcomes, self.prior_outcomes])
         w[0] = w[0] * self._decay + (1.0 if used else 0.0)
         w[1] = w[1] * self._decay + 1.0
-        scored = self.pending_scores.pop(block, None) if block is not None else None
-        if scored is not None:
-            outcomes = self.outcomes.get(tier)
-            if outcomes is None:
-                outcomes = self.outcomes[tier] = deque(maxlen=self.window)
-            outcomes.append((scored[0], int(used), scored[1]))
         if used:
             self.num_used += 1
         else:
@@ -221,7 +110,7 @@ class PrefetchGate:
         for block in blocks:
             tier = pending.pop(block, None)
             if tier is not None:
-                self._resolve(True, tier, block)
+                self._resolve(True, tier)
 
     def on_moves(self, moves: Iterable[Move]) -> None:
         """Moves emitted: prefetches start waiting; a pending block moved out of its tier
@@ -230,14 +119,11 @@ class PrefetchGate:
         for m in moves:
             if m.kind == "prefetch" and m.to_tier != NOWHERE:
                 pending[m.block] = m.to_tier
-                self.pending_scores[m.block] = (float(m.score), self.scale)
                 if len(pending) > self.max_pending:
-                    oldest = next(iter(pending))  # unresolved
-                    del pending[oldest]
-                    self.pending_scores.pop(oldest, None)
+                    del pending[next(iter(pending))]  # the oldest, unresolved
             elif m.block in pending and m.from_tier == pending[m.block]:
                 del pending[m.block]
-                self._resolve(False, m.from_tier, m.block)
+                self._resolve(False, m.from_tier)
 
     def status(self) -> dict[str, Any]:
         return {
@@ -250,19 +136,4 @@ class PrefetchGate:
             "precision_by_tier": {
                 str(t): round(self.precision_of(t), 4) for t in sorted(self.tier_weights)
             },
-            "score_floor_by_tier": {
-                str(t): _json_floor(self.floors(t)) for t in sorted(self.outcomes)
-            },
         }
-
-
-def _json_floor(floors: tuple[float | None, float] | None) -> float | str:
-    """A tier's floor as ``/healthz`` shows it: the score, ``"all"`` (every candidate
-    goes), ``"none"`` (no score is read often enough) or ``"learning"`` (too few
-    outcomes of the current scale)."""
-    if floors is None:
-        return "learning"
-    floor = floors[0]
-    if floor is None:
-        return "none"
-    return "all" if floor == -math.inf else round(floor, 6)

@@ -101,9 +101,9 @@ def test_a_split_prefetch_round_runs_one_step_per_event(small_trace):
         steps[-1].append("candidates")
         return name_candidates(*args)
 
-    def filled(*args, **kwargs):
+    def filled(*args):
         steps[-1].append("fill")
-        return fill(*args, **kwargs)
+        return fill(*args)
 
     policy.prefetch_candidates = named  # type: ignore[method-assign]
     planner.prefetch = filled  # type: ignore[method-assign]

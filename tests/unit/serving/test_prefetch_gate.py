@@ -2,9 +2,6 @@
 
 from __future__ import annotations
 
-import math
-
-import numpy as np
 import pytest
 
 from serving.planner import Move
@@ -142,60 +139,3 @@ def test_the_fastest_tier_takes_only_predicted_blocks_when_the_policy_predicts()
     # HBM keeps 3 to 6; 1 and 2 (recent) and 7 and 8 (predicted) wait in DRAM.
     assert run(Ranked()) == {7, 8}
     assert run(silent) == {1, 2}  # no prediction: recent blocks climb back
-
-
-def _scored_prefetch(block: int, score: float, to_tier: int = 0) -> Move:
-    return Move(block, 2, to_tier, score, "prefetch")
-
-
-def test_below_its_precision_a_tier_takes_the_candidates_above_a_score_floor():
-    gate = PrefetchGate(0.25, window=500, probe_every=5, prior_outcomes=1)
-    gate.set_scale("lightgbm")
-    assert gate.floors(0) is None  # learning: no outcomes yet
-    # 200 prefetches into HBM: of the 100 best scored, every other one is read; of the
-    # 100 below them, one in ten.
-    for b in range(200):
-        gate.on_moves([_scored_prefetch(b, 1.0 - b / 1000)])  # 1.000 .. 0.801
-        if (b < 100 and b % 2 == 0) or (b >= 100 and b % 10 == 0):
-            gate.on_request([b])
-        else:
-            gate.on_moves([_demote(b)])
-    assert gate.precision_of(0) < 0.25 + 0.05  # pooled: 60 of 200
-    # Groups of 50 by score: 0.5, 0.5, 0.1, 0.1 read. The floor is the lowest score
-    # of the second group (0.901), the probe floor that of the third (0.851).
-    assert gate.floors(0) == (pytest.approx(0.901), pytest.approx(0.851))
-    floors = [gate.round_floor(0) for _ in range(10)]
-    assert floors.count(pytest.approx(0.851)) == 2  # one round in five probes lower
-    assert floors.count(pytest.approx(0.901)) == 8 and gate.num_skipped == 0
-    assert gate.status()["score_floor_by_tier"] == {"0": 0.901}
-    # Another policy's scores are on another scale: no floor until its own outcomes,
-    # the plain gate meanwhile (precision 0.3: every candidate).
-    gate.set_scale("lfu")
-    assert gate.floors(0) is None and gate.round_floor(0) == -math.inf
-    assert gate.status()["score_floor_by_tier"] == {"0": "learning"}
-    # When even the best scores are not read, rounds stop; probes take every candidate.
-    gate.set_scale("lightgbm")
-    for b in range(1_000, 1_500):
-        gate.on_moves([_scored_prefetch(b, 0.9)])
-        gate.on_moves([_demote(b)])
-    assert gate.floors(0) == (None, -math.inf)
-    assert [gate.round_floor(0) for _ in range(5)].count(None) == 4
-    assert gate.status()["score_floor_by_tier"] == {"0": "none"}
-
-
-def test_the_planner_prefetches_nothing_below_the_floor():
-    from serving.placement import Placement
-    from serving.planner import Planner, PlannerParams
-
-    planner = Planner(PlannerParams(prefetch_budget_blocks=8, min_residency_ms=0))
-    p = Placement(["hbm", "dram"], [4, 10])
-    for b in (3, 4, 5):
-        p.add(b, 1)
-    table = {3: 0.9, 4: 0.7, 5: 0.1}
-
-    def scores(blocks, now_ms):
-        return np.asarray([table[int(b)] for b in blocks], dtype=np.float32)
-
-    moves = planner.prefetch(p, [3, 4, 5], scores, 0, min_score=0.5)
-    assert [m.block for m in moves if m.kind == "prefetch"] == [3, 4]
-    assert p.tier_of(5) == 1
