@@ -21,6 +21,18 @@ than one prefetched into a small, fast-churning one (HBM); one pooled figure clo
 both at once (shared trace, 4,000 requests, HBM 1%: 1,469 of 1,657 rounds skipped, so
 NVMe-to-DRAM prefetch that pays was skipped with HBM prefetch that did not).
 ``allow_round()`` without a tier gates on the pooled precision.
+
+Tried and not kept: a score floor per tier. Each outcome kept with its candidate's
+score; below ``min_precision`` a tier's rounds took the candidates scored down to the
+last group of 50 recent outcomes read at least 0.25 of the time (plus half a standard
+error), probing one group lower one round in ten. On the shared trace (full replay,
+LightGBM behind the guard) it raised the precision of prefetches into HBM from 0.12 /
+0.14 to 0.28 / 0.26 at HBM 1 / 5%, with a fifth and a half of the blocks moved, TTFT p50
+within 0.25 points; but the rounds a closed gate skips then ran, each scoring its ~5,000
+candidates before the floor cut them, and the learned sidecar (``kvwarm bench serve``,
+5,000 requests, alone) fell from 28,304-29,634 to 20,168-21,072 block accesses/s. A floor
+worth keeping needs its candidates ranked before they are scored (by their chain's
+predicted return, say), so that a floor round scores only the few it may take.
 """
 
 from __future__ import annotations
