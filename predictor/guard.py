@@ -25,6 +25,13 @@ sampled blocks, not once per request, with as many residents scored as per-reque
 eviction would have scored. At a second cache size (``outer_capacity_blocks``), a
 second ``_Scale`` of ghosts runs beside the first, with its own sample.
 
+Tried and not kept: starting on the model instead of LRU (``initial``), since the
+validation gate promotes only a model that beat the heuristics on held-out data. On the
+workload suite (single tier, LightGBM) it won diurnal at 10% at seed 1 (0.637 against
+0.632; GLCache 0.634) and lost it at seed 0 (0.685 against 0.689; LHD 0.686); it cost
+chat 0.002 at 5% and 10% at seed 0 and 0.010 at 10% at seed 1, agent 0.010 at 1% at
+seed 1: no better overall.
+
 Memory: at most ``ghost_blocks + 16`` entries per candidate and scale (``rate`` is
 chosen from the cache's capacity to keep it so), whatever the stream. The heuristics
 observe the same stream, so they keep one block table between them

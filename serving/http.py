@@ -25,6 +25,9 @@ kvwarm_rejects_total{reason}            malformed input, by reason
 kvwarm_decisions_total{action,tier}     decisions emitted (tier: to_tier, or
                                         from_tier for evict)
 kvwarm_moves_total{kind}                planner moves (store, demand, ...)
+kvwarm_loop_seconds_total{phase}        loop wall time: poll (waiting included),
+                                        handle, deliver (sinks' flush), commit
+kvwarm_loop_batches_total               polls that returned events
 kvwarm_executor_outcomes_total{...}     decisions by outcome status (applied, refused_full, ...)
 kvwarm_hint_acks_total{status}          acknowledgements read back from sinks
                                         (accepted, clipped, deferred, rejected,
@@ -71,7 +74,7 @@ DEFAULT_MAX_BODY_BYTES = 16 << 20
 LATENCY_BUCKETS_S = (1e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 5.0)
 
 
-def _copy(mapping: Mapping[Any, int] | None) -> dict[Any, int]:
+def _copy(mapping: Mapping[Any, float] | None) -> dict[Any, float]:
     """Copy a dict another thread may be growing (a resize mid-copy raises; retry)."""
     if not mapping:
         return {}
@@ -142,6 +145,17 @@ class _LiveCollector(Collector):
             for kind, n in sorted(_copy(stats.moves_by_kind).items()):
                 moves.add_metric([kind], n)
             yield moves
+            phases = CounterMetricFamily(
+                "kvwarm_loop_seconds",
+                "Wall time of the loop by phase: poll, handle, deliver, commit.",
+                labels=["phase"],
+            )
+            for phase, seconds in _copy(stats.seconds_by_phase).items():
+                phases.add_metric([phase], seconds)
+            yield phases
+            yield CounterMetricFamily(
+                "kvwarm_loop_batches", "Polls that returned events.", value=stats.batches
+            )
             placement = sidecar.placement
             occ = GaugeMetricFamily(
                 "kvwarm_tier_occupancy_blocks", "Blocks per tier.", labels=["tier"]

@@ -55,6 +55,17 @@ class StreamHaltError(Exception):
     and commits nothing of the batch in hand."""
 
 
+LOOP_PHASES = ("poll", "handle", "deliver", "commit")
+"""Where ``Sidecar.run``'s time goes, per batch: ``poll`` (the source's poll, waiting for
+events included), ``handle`` (the events), ``deliver`` (the sinks' flush: decisions
+delivered), ``commit`` (the source's offsets). The share of wall time outside ``poll``
+is how busy the loop is. At a low offered rate a batch holds few events, so its
+deliver and commit (a broker round trip each through Kafka) weigh on each event: in
+``kvwarm bench serve``'s Kafka open loop at half the maximum rate, half as much as
+handling them to as much.
+"""
+
+
 @dataclass
 class LoopStats:
     events: int = 0
@@ -63,6 +74,12 @@ class LoopStats:
     moves_by_kind: dict[str, int] = field(default_factory=dict)
     score_calls: int = 0
     score_seconds: float = 0.0
+    batches: int = 0
+    """Polls that returned events (each is handled, delivered and committed as one)."""
+    seconds_by_phase: dict[str, float] = field(
+        default_factory=lambda: dict.fromkeys(LOOP_PHASES, 0.0)
+    )
+    """Wall time of ``run`` by phase (``LOOP_PHASES``), batches and empty polls alike."""
 
 
 class Sidecar:
@@ -327,8 +344,13 @@ class Sidecar:
         """
         stop = stop or threading.Event()
         handled = 0
+        phase = self.stats.seconds_by_phase
+        clock_s = time.perf_counter
         while not stop.is_set():
+            t0 = clock_s()
             events = source.poll(batch_size, poll_timeout_ms)
+            t1 = clock_s()
+            phase["poll"] += t1 - t0
             for i, event in enumerate(events):
                 if stop.is_set():
                     # Shutdown between two events: nothing of this batch is committed,
@@ -345,12 +367,19 @@ class Sidecar:
                     log.exception("event could not be handled; dead-lettered")
                     source.dead_letter(event, "handler_error", f"{type(exc).__name__}: {exc}")
             handled += len(events)
+            t2 = clock_s()
+            phase["handle"] += t2 - t1
             if events:
+                self.stats.batches += 1
                 if flush is not None:
                     flush()
+                t3 = clock_s()
+                phase["deliver"] += t3 - t2
                 source.commit()
+                phase["commit"] += clock_s() - t3
             elif clock is not None:
                 self.maybe_prefetch(clock())
+                phase["handle"] += clock_s() - t2
             if gc_pacer is not None:
                 gc_pacer.tick(idle=not events)
             if source.exhausted or (max_events is not None and handled >= max_events):

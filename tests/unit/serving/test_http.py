@@ -87,6 +87,11 @@ def test_metrics_parse_and_match_what_was_sent(tmp_path, trace_with_bad_rows):
 
     assert value("kvwarm_events_consumed_total", type="access") == num_good
     assert value("kvwarm_block_accesses_total") == num_blocks
+    assert value("kvwarm_loop_batches_total") >= 1
+    assert value("kvwarm_loop_seconds_total", phase="handle") > 0
+    assert {s.labels["phase"] for s in samples["kvwarm_loop_seconds_total"]} == {
+        "poll", "handle", "deliver", "commit",
+    }  # fmt: skip
     assert value("kvwarm_rejects_total") == len(BAD_ROWS)
     assert len(samples["kvwarm_rejects_total"]) >= 2  # by reason
 

@@ -68,6 +68,26 @@ def test_commit_happens_only_after_moves_are_handed_over(small_trace):
     assert order.index("moves") < order.index("commit")
 
 
+def test_the_loops_time_is_split_by_phase(small_trace):
+    import time
+
+    class SlowCommitSource(FileSource):
+        def commit(self) -> None:
+            time.sleep(0.002)
+
+    sidecar = _sidecar()
+    t0 = time.perf_counter()
+    stats = sidecar.run(
+        SlowCommitSource(small_trace), batch_size=500, flush=lambda: time.sleep(0.001)
+    )
+    elapsed = time.perf_counter() - t0
+    phase = stats.seconds_by_phase
+    assert stats.batches == 6  # 3,000 events in polls of 500
+    assert phase["commit"] >= 6 * 0.002 and phase["deliver"] >= 6 * 0.001
+    assert phase["handle"] > phase["deliver"] and phase["poll"] > 0
+    assert sum(phase.values()) <= elapsed
+
+
 def test_serving_refuses_the_oracle():
     from predictor.oracle import FutureAccesses
 
