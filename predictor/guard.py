@@ -30,7 +30,10 @@ validation gate promotes only a model that beat the heuristics on held-out data.
 workload suite (single tier, LightGBM) it won diurnal at 10% at seed 1 (0.637 against
 0.632; GLCache 0.634) and lost it at seed 0 (0.685 against 0.689; LHD 0.686); it cost
 chat 0.002 at 5% and 10% at seed 0 and 0.010 at 10% at seed 1, agent 0.010 at 1% at
-seed 1: no better overall.
+seed 1: no better overall. Nor switching sooner: 200 requests between switches and a
+half-life of 2,000 sampled accesses won agent at 1% and 5% at seed 1 (0.082 and 0.237
+against 0.073 and 0.228; LIRS 0.070 and 0.236) but not at 10% (0.365, LIRS 0.371), and
+early noise cost chat 0.006-0.012 at 5% and 10%.
 
 Memory: at most ``ghost_blocks + 16`` entries per candidate and scale (``rate`` is
 chosen from the cache's capacity to keep it so), whatever the stream. The heuristics
