@@ -57,7 +57,8 @@ class StreamHaltError(Exception):
 
 LOOP_PHASES = ("poll", "handle", "deliver", "commit")
 """Where ``Sidecar.run``'s time goes, per batch: ``poll`` (the source's poll, waiting for
-events included), ``handle`` (the events), ``deliver`` (the sinks' flush: decisions
+events included), ``handle`` (the events; with a wall clock, also the prefetch rounds
+run while the source is idle), ``deliver`` (the sinks' flush: decisions
 delivered), ``commit`` (the source's offsets). The share of wall time outside ``poll``
 is how busy the loop is. At a low offered rate a batch holds few events, so its
 deliver and commit (a broker round trip each through Kafka) weigh on each event: in
