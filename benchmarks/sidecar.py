@@ -228,7 +228,7 @@ class OpenLoopResult:
     def busy(self) -> float:
         """Share of the run's wall time the loop spent outside ``poll``."""
         phase = self.stats.seconds_by_phase
-        busy_s = phase["handle"] + phase["deliver"] + phase["commit"]
+        busy_s = sum(phase.values()) - phase["poll"]
         return busy_s / self.elapsed_s if self.elapsed_s > 0 else 0.0
 
     def per_batch_ms(self, *phases: str) -> float:

@@ -61,9 +61,8 @@ events included), ``handle`` (the events; with a wall clock, also the prefetch r
 run while the source is idle), ``deliver`` (the sinks' flush: decisions
 delivered), ``commit`` (the source's offsets). The share of wall time outside ``poll``
 is how busy the loop is. At a low offered rate a batch holds few events, so its
-deliver and commit (a broker round trip each through Kafka) weigh on each event: in
-``kvwarm bench serve``'s Kafka open loop at half the maximum rate, half as much as
-handling them to as much.
+deliver and commit (a broker round trip each through Kafka) weigh on each event
+(``kvwarm bench serve`` prints the split per open-loop run).
 """
 
 

@@ -28,11 +28,11 @@ last group of 50 recent outcomes read at least 0.25 of the time (plus half a sta
 error), probing one group lower one round in ten. On the shared trace (full replay,
 LightGBM behind the guard) it raised the precision of prefetches into HBM from 0.12 /
 0.14 to 0.28 / 0.26 at HBM 1 / 5%, with a fifth and a half of the blocks moved, TTFT p50
-within 0.25 points; but the rounds a closed gate skips then ran, each scoring its ~5,000
-candidates before the floor cut them, and the learned sidecar (``kvwarm bench serve``,
-5,000 requests, alone) fell from 28,304-29,634 to 20,168-21,072 block accesses/s. A floor
-worth keeping needs its candidates ranked before they are scored (by their chain's
-predicted return, say), so that a floor round scores only the few it may take.
+within 0.25 points; but the learned sidecar (``kvwarm bench serve``, 5,000 requests,
+alone) fell from 28,304-29,634 to 20,168-21,072 block accesses/s. Not from scoring the
+candidates a floor cuts: with a round scoring only the blocks its target tiers take, it
+still ran at 19,805 and 20,292/s against 25,212 and 26,004/s for this code, alternating;
+the cause was not found.
 """
 
 from __future__ import annotations

@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import time
 from collections import Counter
 
 import pytest
@@ -69,8 +70,6 @@ def test_commit_happens_only_after_moves_are_handed_over(small_trace):
 
 
 def test_the_loops_time_is_split_by_phase(small_trace):
-    import time
-
     class SlowCommitSource(FileSource):
         def commit(self) -> None:
             time.sleep(0.002)
