@@ -33,7 +33,16 @@ chat 0.002 at 5% and 10% at seed 0 and 0.010 at 10% at seed 1, agent 0.010 at 1%
 seed 1: no better overall. Nor switching sooner: 200 requests between switches and a
 half-life of 2,000 sampled accesses won agent at 1% and 5% at seed 1 (0.082 and 0.237
 against 0.073 and 0.228; LIRS 0.070 and 0.236) but not at 10% (0.365, LIRS 0.371), and
-early noise cost chat 0.006-0.012 at 5% and 10%.
+early noise cost chat 0.006-0.012 at 5% and 10%. Nor a margin of three standard errors
+of the paired difference of two candidates' estimates (requests as units) instead of 5%
+of the serving one's (seed 1, chat, agent and diurnal): it switched to the model at once
+on the training tail the ghosts warm on, where the model's ghost led by 0.02-0.12, and
+held it: agent 0.056 / 0.211 / 0.351 against 0.073 / 0.228 / 0.361, chat 0.038 / 0.047
+against 0.041 / 0.060 at 5% / 10%; only diurnal at 5% gained (0.624 against 0.609). Nor
+warming the ghosts on the last fifth of the training part alone (the validation span the
+block model never trained on; 100 sampled accesses before a switch): agent lost
+0.020-0.022 at every capacity, diurnal 0.015 at 1%, chat 0.004 at 1%, for 0.004-0.006
+gained on chat at 5% and 10%.
 
 Memory: at most ``ghost_blocks + 16`` entries per candidate and scale (``rate`` is
 chosen from the cache's capacity to keep it so), whatever the stream. The heuristics
