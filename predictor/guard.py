@@ -42,7 +42,15 @@ against 0.041 / 0.060 at 5% / 10%; only diurnal at 5% gained (0.624 against 0.60
 warming the ghosts on the last fifth of the training part alone (the validation span the
 block model never trained on; 100 sampled accesses before a switch): agent lost
 0.020-0.022 at every capacity, diurnal 0.015 at 1%, chat 0.004 at 1%, for 0.004-0.006
-gained on chat at 5% and 10%.
+gained on chat at 5% and 10%. Nor, after that warm-up, starting the replayed part on the
+best heuristic with the model's estimate set to that heuristic's (its own being
+in-sample): at seed 1 agent won at 1% and 10% (0.074 / 0.375 against 0.073 / 0.361) but
+chat lost 0.011 at 10% and diurnal 0.013 at 1%; allowing a switch at once made agent
+lose again. Nor a fourth heuristic, LRU behind a doorkeeper (blocks read twice by
+recency, blocks read once below them: B-LRU's rule): alone it beat every peer on chat at
+seed 1 at 5% and 10% (0.053 / 0.071 against B-LRU 0.046 and LHD 0.055), but as a
+candidate it changed no hit ratio of either half at seed 1 (at chat 5% the guard stayed on
+LRU-2).
 
 Memory: at most ``ghost_blocks + 16`` entries per candidate and scale (``rate`` is
 chosen from the cache's capacity to keep it so), whatever the stream. The heuristics
