@@ -52,6 +52,19 @@ seed 1 at 5% and 10% (0.053 / 0.071 against B-LRU 0.046 and LHD 0.055), but as a
 candidate it changed no hit ratio of either half at seed 1 (at chat 5% the guard stayed on
 LRU-2).
 
+Why the suite's short replayed parts mislead the guard (measured on chat at seed 1):
+the ghosts are warm when a replayed part starts (they follow the training tail), while
+the replay's cache starts empty, and a warm start helps frequency much more than
+recency. A ghost started cold on the replayed part estimates each candidate within
+0.003 of its replay (LFU 0.0420 against 0.0404 at 5%, LRU-2 0.0466 against 0.0445);
+warm, LRU-2 0.0494 but LFU 0.0540; counted over the replayed part, the guard's warm
+ghosts put LFU at 0.057 and the model at 0.047, against 0.040 and 0.038 replayed.
+Emptying the ghosts at the replayed part's start did not help: the estimates carried
+over from the warm-up still sent chat to LFU at 5% and 10% (0.038 and 0.051 against
+0.041 and 0.060); emptying the estimates too (the choice kept) moved agent up by
+0.006-0.007 at 5% and 10% and diurnal at 5% by 0.004, and cost chat 0.003 at 5% and
+0.015 at 10%.
+
 Memory: at most ``ghost_blocks + 16`` entries per candidate and scale (``rate`` is
 chosen from the cache's capacity to keep it so), whatever the stream. The heuristics
 observe the same stream, so they keep one block table between them
