@@ -26,6 +26,11 @@ BENCHES: dict[str, tuple[str, str]] = {
         "benchmarks.feature_state:features",
         "Feature state: block accesses/s for update and update+extraction, bytes per block, dataset build time.",
     ),
+    "guard": (
+        "benchmarks.guard_cache:guard_bench",
+        "The online guard vs each of its candidates alone, single tier, on a cold cache "
+        "(as the suite) and a warm one.",
+    ),
     "kafka": (
         "benchmarks.kafka_throughput:bench_kafka",
         "Kafka block accesses/s (produce, consume+decode; 1 and 4 partitions) and latency vs decode from memory.",
