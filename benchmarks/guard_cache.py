@@ -24,7 +24,6 @@ cold (see ``kvwarm bench quality``).
 
 from __future__ import annotations
 
-import copy
 import json
 from collections.abc import Sequence
 from pathlib import Path
@@ -34,32 +33,18 @@ import click
 
 from features.events import BlocksAccessed
 from predictor.base import Policy
-from predictor.guard import GUARD_HEURISTICS, GuardedPolicy, GuardParams
-from predictor.registry import make_policy
-from serving.loop import Sidecar
-from serving.placement import Placement
-from serving.planner import Planner
+from predictor.guard import GUARD_HEURISTICS
+from predictor.oracle import FutureAccesses
+from training.replay import replay_single_tier
+from training.report import (
+    fresh_policy,
+    guard_warmup_split,
+    guarded_policy,
+    load_profile,
+    time_scale_for_engine_load,
+)
 
 CANDIDATES = ("lightgbm", *GUARD_HEURISTICS)
-
-
-def replay_hit_ratio(
-    policy: Policy, warm: Sequence[BlocksAccessed], test: Sequence[BlocksAccessed], capacity: int
-) -> float:
-    """Single-tier hit ratio of ``test`` after the cache (and ``policy``) followed
-    ``warm`` through the same sidecar; ``warm`` empty: the cache starts empty, as
-    ``training.replay.replay_single_tier`` does."""
-    placement = Placement(["hbm"], [capacity])
-    sidecar = Sidecar(policy, Planner(), placement, prefetch=False, allow_future=True)
-    for event in warm:
-        sidecar.handle(event)
-    tier_of = placement.tier_of
-    hits = accesses = 0
-    for event in test:
-        hits += sum(1 for block in event.block_hashes if tier_of(block) == 0)
-        accesses += len(event.block_hashes)
-        sidecar.handle(event)
-    return hits / accesses if accesses else 0.0
 
 
 def compare(
@@ -67,40 +52,42 @@ def compare(
     test: Sequence[BlocksAccessed],
     model: Policy,
     capacity: int,
+    warmed: dict[str, dict[str, Policy]] | None = None,
 ) -> dict[str, Any]:
     """Cold and warm hit ratios of every candidate alone and of the guard around them,
-    for one cache of ``capacity`` blocks; ``model`` has observed nothing."""
-    from training.report import GUARD_WARMUP_REQUESTS
-
-    cut = max(0, len(train) - GUARD_WARMUP_REQUESTS)
-    head, tail = train[:cut], train[cut:]
-
-    def fresh(name: str, seen: Sequence[BlocksAccessed]) -> Policy:
-        policy = copy.deepcopy(model) if name == "lightgbm" else make_policy(name)
-        policy.observe_many(seen)
-        return policy
-
-    def guard() -> GuardedPolicy:
-        candidates = {name: fresh(name, head) for name in CANDIDATES}
-        return GuardedPolicy(GuardParams(capacity_blocks=capacity), candidates)
-
+    for one cache of ``capacity`` blocks; ``model`` has observed nothing. The policies
+    are built as the suite builds them (``training.report.fresh_policy`` and
+    ``guarded_policy``); ``warmed`` keeps their prototypes that followed the training
+    part (``train``) and its head (``head``) across capacities."""
+    warmed = warmed if warmed is not None else {}
+    trained = {"lightgbm": model}
+    future = FutureAccesses.from_events([])
+    head, tail = guard_warmup_split(train)
+    seen = {"cold": ("train", train), "warm": ("head", head)}
     out: dict[str, Any] = {"capacity_blocks": capacity, "alone": {}, "guarded": {}}
     for mode in ("cold", "warm"):
-        alone = {
-            name: replay_hit_ratio(
-                fresh(name, train if mode == "cold" else head),
-                [] if mode == "cold" else tail,
+        key, observed = seen[mode]
+        warm = tail if mode == "warm" else ()
+        out["alone"][mode] = {
+            name: replay_single_tier(
+                fresh_policy(name, trained, future, warmed.setdefault(key, {}), observed),
                 test,
                 capacity,
-            )
+                warm=warm,
+            ).hit_ratio
             for name in CANDIDATES
         }
-        guarded = guard()
-        if mode == "cold":
-            guarded.observe_many(tail)
-        hit_ratio = replay_hit_ratio(guarded, [] if mode == "cold" else tail, test, capacity)
-        out["alone"][mode] = alone
-        out["guarded"][mode] = {"hit_ratio": hit_ratio, "chosen": guarded.chosen}
+        guard = guarded_policy(
+            "lightgbm",
+            capacity,
+            trained,
+            future,
+            warmed.setdefault("head", {}),
+            train,
+            observe_tail=mode == "cold",
+        )
+        hit_ratio = replay_single_tier(guard, test, capacity, warm=warm).hit_ratio
+        out["guarded"][mode] = {"hit_ratio": hit_ratio, "chosen": guard.chosen}
     return out
 
 
@@ -133,7 +120,6 @@ def guard_bench(
     from benchmarks.quality import WORKLOADS, workload_events
     from training.replay import distinct_blocks, rescale_time, split_events, spread_ties
     from training.replay_cli import make_trainer
-    from training.report import load_profile, time_scale_for_engine_load
 
     names = [w.strip() for w in workloads.split(",") if w.strip()]
     unknown = [w for w in names if w not in WORKLOADS]
@@ -161,8 +147,10 @@ def guard_bench(
         model = make_trainer(quick_fit)("lightgbm", train, scale)
         num_distinct = distinct_blocks(test)
         results[workload] = {}
+        warmed: dict[str, dict[str, Any]] = {}
         for fraction in fractions:
-            result = compare(train, test, model, max(1, int(fraction * num_distinct)))
+            capacity = max(1, int(fraction * num_distinct))
+            result = compare(train, test, model, capacity, warmed)
             results[workload][f"{fraction:g}"] = result
             click.echo(row(workload, fraction, result))
     if out is not None:

@@ -93,12 +93,18 @@ def replay_single_tier(
     *,
     planner_params: PlannerParams | None = None,
     progress: Progress | None = None,
+    warm: Sequence[BlocksAccessed] = (),
 ) -> SingleTierResult:
     """Demand caching in one tier of ``capacity_blocks``: a block is a hit when it is in
     the tier as its request arrives; misses are computed and stored; the planner makes
-    room by the policy's scores (and may veto keeping a block: admission)."""
+    room by the policy's scores (and may veto keeping a block: admission). ``warm``:
+    handled first through the same sidecar, uncounted, so the cache (and the policy)
+    start ``events`` as they left it; empty, the cache starts empty."""
     placement = Placement(["hbm"], [capacity_blocks])
     sidecar = Sidecar(policy, Planner(planner_params), placement, prefetch=False, allow_future=True)
+    for event in warm:
+        sidecar.handle(event)
+    sidecar.stats.moves_by_kind.clear()
     hits = accesses = 0
     t0 = time.perf_counter()
     tier_of = placement.tier_of

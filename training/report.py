@@ -38,7 +38,7 @@ from features.annotate import access_arrays
 from features.events import BlocksAccessed
 from features.trace_stats import fmt_number
 from predictor.base import Policy
-from predictor.guard import memory_capacity_blocks
+from predictor.guard import GuardedPolicy, memory_capacity_blocks
 from predictor.learned import LearnedPolicy
 from predictor.oracle import FutureAccesses
 from predictor.registry import make_policy
@@ -127,7 +127,7 @@ def trace_checksum(path: str | Path) -> str:
     return digest.hexdigest()
 
 
-def _fresh(
+def fresh_policy(
     name: str,
     trained: dict[str, Policy],
     future: FutureAccesses,
@@ -155,7 +155,16 @@ GUARD_WARMUP_REQUESTS = 2_000
 candidates on all of it); its choice is made before the replayed part starts."""
 
 
-def _guarded(
+def guard_warmup_split(
+    train: Sequence[BlocksAccessed],
+) -> tuple[Sequence[BlocksAccessed], Sequence[BlocksAccessed]]:
+    """(head, tail) of the training part: the guard's candidates observe the head in
+    bulk, the guard itself the last ``GUARD_WARMUP_REQUESTS`` requests."""
+    cut = max(0, len(train) - GUARD_WARMUP_REQUESTS)
+    return train[:cut], train[cut:]
+
+
+def guarded_policy(
     name: str,
     capacity_blocks: int,
     trained: dict[str, Policy],
@@ -163,20 +172,26 @@ def _guarded(
     warm_head: dict[str, Policy],
     train: Sequence[BlocksAccessed],
     outer_capacity_blocks: int | None = None,
-) -> Policy:
+    *,
+    observe_tail: bool = True,
+) -> GuardedPolicy:
     """``name`` behind the online guard for a fast tier of ``capacity_blocks``: the
     candidates observe the training part batched up to its last
-    ``GUARD_WARMUP_REQUESTS`` requests, the guard (ghosts included) the rest."""
-    from predictor.guard import GUARD_HEURISTICS, GuardedPolicy, GuardParams
+    ``GUARD_WARMUP_REQUESTS`` requests (``guard_warmup_split``), the guard (ghosts
+    included) the rest; ``observe_tail`` False leaves the rest to the caller (a replay
+    that handles it through the served cache too)."""
+    from predictor.guard import GUARD_HEURISTICS, GuardParams
 
-    cut = max(0, len(train) - GUARD_WARMUP_REQUESTS)
-    head, tail = train[:cut], train[cut:]
-    candidates = {n: _fresh(n, trained, future, warm_head, head) for n in (name, *GUARD_HEURISTICS)}
+    head, tail = guard_warmup_split(train)
+    candidates = {
+        n: fresh_policy(n, trained, future, warm_head, head) for n in (name, *GUARD_HEURISTICS)
+    }
     guard = GuardedPolicy(
         GuardParams(capacity_blocks=capacity_blocks, outer_capacity_blocks=outer_capacity_blocks),
         candidates,
     )
-    guard.observe_many(tail)
+    if observe_tail:
+        guard.observe_many(tail)
     return guard
 
 
@@ -266,10 +281,10 @@ def run_comparison(
 
     def fresh(name: str, capacity_blocks: int, outer_capacity_blocks: int | None = None) -> Policy:
         if config.guard and name in LEARNED:
-            return _guarded(
+            return guarded_policy(
                 name, capacity_blocks, trained, future, warm_head, train, outer_capacity_blocks
             )
-        return _fresh(name, trained, future, warm, train)
+        return fresh_policy(name, trained, future, warm, train)
 
     planner = PlannerParams(
         eviction_sample=config.eviction_sample,

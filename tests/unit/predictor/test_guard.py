@@ -9,6 +9,7 @@ and its replayed hit ratio must then be within 0.005 of the right candidate's.
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable
 
 import numpy as np
@@ -367,9 +368,8 @@ def test_a_ghost_started_as_the_cache_starts_estimates_its_candidate_as_replayed
         capacity = max(1, int(fraction * distinct_blocks(test)))
         served = ready_policy(name) if name == "lightgbm" else make_policy(name)
         served.observe_many(train)
+        candidate = copy.deepcopy(served)  # the same state, for the ghost
         replayed = replay_single_tier(served, test, capacity).hit_ratio
-        candidate = ready_policy(name) if name == "lightgbm" else make_policy(name)
-        candidate.observe_many(train)
         ghost = _Ghost(capacity, seed=0)
         hits = accesses = 0
         for event in test:
