@@ -52,6 +52,17 @@ seed 1 at 5% and 10% (0.053 / 0.071 against B-LRU 0.046 and LHD 0.055), but as a
 candidate it changed no hit ratio of either half at seed 1 (at chat 5% the guard stayed on
 LRU-2).
 
+Nor discounting the model's hits while it is scored on its own training data: its
+ghost counted only after the last training event, and it could be chosen only once it
+had counted 250 (decayed) sampled accesses, the heuristics counting throughout. At
+seed 1 it raised diurnal at 5% and 10% (0.624 / 0.637 against 0.609 / 0.632) and agent
+at 1% and 10% (0.085 / 0.375 against 0.073 / 0.361), and lost chat at 10% (0.049
+against 0.060: an early switch to the model on a ghost estimate ~0.02 above its
+replay): peer wins 6 of 8 against 5. At seed 0 it was lower at 18 of 24 settings
+(agent 0.014 / 0.013 at 5% / 10%, sharedprefix 0.011 at 10%), peer wins 3 of 8 against
+7, mean gap closed 34% against 38%: there the in-sample estimates picked the right
+candidate.
+
 Why the suite's short replayed parts mislead the guard (measured on chat at seed 1):
 the ghosts are warm when a replayed part starts (they follow the training tail), while
 the replay's cache starts empty, and a warm start helps frequency much more than
