@@ -26,6 +26,14 @@ broker round trip each through Kafka) over ~1,000 events; at half that rate a ba
 holds a few events, so the open loop is busier than half: through Kafka, two runs
 (2026-12-03), 76-85% busy, 2.2-3.0 ms per batch delivering and committing against
 2.4-5.2 ms handling (from a file, 55-68% busy).
+
+Each open-loop rate runs ``--repeat`` times (3 by default) and prints the run whose p99
+is the median, with the range of the runs' p99s beside it: one run says little. At half
+the maximum rate the loop is 55-70% busy from a file, and half a second or more in which
+the machine slows (handling at 5-10 ms an event instead of ~2, over requests of ordinary
+size, at a different place in the trace each run) queues a hundred events or more: from
+a file, the same code gave LightGBM a p99 of 15 to 321 ms within a few hours
+(2026-12-03; docs/benchmarks.md, sidecar).
 """
 
 from __future__ import annotations
@@ -36,7 +44,7 @@ import pstats
 import tempfile
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -209,6 +217,9 @@ class OpenLoopResult:
     stats: LoopStats
     elapsed_s: float
     """The loop's own run (what ``busy`` divides by)."""
+    p99_range_ms: tuple[float, float] | None = None
+    """Lowest and highest p99 of the repeated runs this one is the median of
+    (``median_run``); None for a single run."""
 
     @classmethod
     def of(
@@ -243,7 +254,24 @@ class OpenLoopResult:
             f"{self.p50_ms:>9.2f}{self.p99_ms:>9.2f}{100 * self.busy:>7.0f}%"
             f"{s.events / max(1, s.batches):>10.1f}{self.per_batch_ms('handle'):>10.2f}"
             f"{self.per_batch_ms('deliver', 'commit'):>10.2f}"
+            + (
+                f"{f'{self.p99_range_ms[0]:.1f}-{self.p99_range_ms[1]:.1f}':>16}"
+                if self.p99_range_ms
+                else ""
+            )
         )
+
+
+def median_run(runs: list[OpenLoopResult]) -> OpenLoopResult:
+    """The run whose p99 is the median of ``runs`` (the lower middle one for an even
+    count), with every run's p99 range attached."""
+    if not runs:
+        raise ValueError("no open-loop runs to take the median of")
+    ranked = sorted(runs, key=lambda r: r.p99_ms)
+    middle = ranked[(len(ranked) - 1) // 2]
+    if len(runs) == 1:
+        return middle
+    return replace(middle, p99_range_ms=(ranked[0].p99_ms, ranked[-1].p99_ms))
 
 
 OPEN_LOOP_HEADER = (
@@ -251,7 +279,8 @@ OPEN_LOOP_HEADER = (
     f"{'ev/batch':>10}{'handle':>10}{'dlv+cmt':>10}"
 )
 """busy: share of wall time outside the source's poll; handle and dlv+cmt: ms per batch
-handling its events, and delivering its decisions plus committing its offsets."""
+handling its events, and delivering its decisions plus committing its offsets; with
+``--repeat`` > 1, the run with the median p99 and, last, the p99 range of the runs."""
 
 
 def open_loop(
@@ -421,6 +450,13 @@ def _kafka_up(bootstrap: str) -> bool:
     show_default=True,
     help="Open-loop offered rates as fractions of each policy's maximum ('' to skip).",
 )
+@click.option(
+    "--repeat",
+    default=3,
+    show_default=True,
+    type=click.IntRange(min=1),
+    help="Runs per open-loop rate; the one with the median p99 is printed, with the range.",
+)
 def serve_bench(
     num_requests: int,
     workload: str,
@@ -429,6 +465,7 @@ def serve_bench(
     kafka_bootstrap: str,
     profile_out: str | None,
     rates: str,
+    repeat: int,
 ) -> None:
     """Sidecar throughput (block accesses/s) and event-to-decision latency, learned vs LRU."""
     from features.generator import generate_to_file, params_for
@@ -468,7 +505,7 @@ def serve_bench(
                 "\nopen loop, file events released at offered rates "
                 "(latency per event from its arrival to its decisions' commit):"
             )
-            click.echo(OPEN_LOOP_HEADER)
+            click.echo(OPEN_LOOP_HEADER + (f"{'p99 range':>16}" if repeat > 1 else ""))
             for (label, spec), saturated in zip(
                 (("open  lru", "lru"), ("open  learned", model)), file_runs, strict=True
             ):
@@ -479,7 +516,12 @@ def serve_bench(
                         "model": spec,
                         "decisions": (f"file:{tmp / ('open-' + label.split()[-1] + '.jsonl')}",),
                     }
-                    result = open_loop(label, kwargs, events, fraction * max_rate)
+                    result = median_run(
+                        [
+                            open_loop(label, kwargs, events, fraction * max_rate)
+                            for _ in range(repeat)
+                        ]
+                    )
                     click.echo(result.row(f"{label} @{fraction:g}x max", fraction * max_rate))
         if profile_out:
             # A separate run: the measured ones above carry no profiler overhead.
@@ -523,7 +565,7 @@ def serve_bench(
                 "\nopen loop through Kafka (1 partition): a producer sends the events at "
                 "offered rates (latency per event from its send to its decisions' commit):"
             )
-            click.echo(OPEN_LOOP_HEADER)
+            click.echo(OPEN_LOOP_HEADER + (f"{'p99 range':>16}" if repeat > 1 else ""))
             for (label, spec), saturated in zip(
                 (("kafka open  lru", "lru"), ("kafka open  learned", model)),
                 kafka_runs,
@@ -539,11 +581,16 @@ def serve_bench(
                             f"kafka://{kafka_bootstrap}/kvwarm.bench.decisions.open.{tag}",
                         ),
                     }
-                    result = kafka_open_loop(
-                        kwargs,
-                        events,
-                        fraction * max_rate,
-                        kafka_bootstrap,
-                        f"kvwarm.bench.events.open.{name}.{fraction:g}.{tag}",
+                    result = median_run(
+                        [
+                            kafka_open_loop(
+                                kwargs,
+                                events,
+                                fraction * max_rate,
+                                kafka_bootstrap,
+                                f"kvwarm.bench.events.open.{name}.{fraction:g}.{tag}.{run}",
+                            )
+                            for run in range(repeat)
+                        ]
                     )
                     click.echo(result.row(f"{label} @{fraction:g}x", fraction * max_rate))

@@ -1,11 +1,15 @@
-"""``bench serve``'s Kafka open loop bookkeeping, without a broker."""
+"""``bench serve``'s open-loop bookkeeping, without a broker: the Kafka open loop's
+stamps, and the median of repeated runs."""
 
 from __future__ import annotations
 
 from types import SimpleNamespace
 from typing import Any
 
-from benchmarks.sidecar import _ArrivalTimedSource
+import pytest
+
+from benchmarks.sidecar import OpenLoopResult, _ArrivalTimedSource, median_run
+from serving.loop import LoopStats
 
 
 class _Inner:
@@ -37,3 +41,21 @@ def test_each_event_is_stamped_at_the_commit_after_its_poll() -> None:
     assert source.committed_at["c"] >= first["a"]
     assert source.committed_at["a"] == first["a"]  # a later commit does not restamp it
     assert source.stats() == {"commits": 2}  # the rest is the inner source's
+
+
+def _run(p99_ms: float) -> OpenLoopResult:
+    stats = LoopStats(events=10, batches=5)
+    return OpenLoopResult(100.0, 1.0, p99_ms, stats, elapsed_s=1.0)
+
+
+def test_repeated_open_loops_print_the_median_p99_run_with_the_range() -> None:
+    runs = [_run(50.0), _run(10.0), _run(30.0)]
+    chosen = median_run(runs)
+    assert chosen.p99_ms == 30.0 and chosen is not runs[2]  # a copy, with the range
+    assert chosen.p99_range_ms == (10.0, 50.0)
+    assert chosen.row("open  learned @0.5x max", 120.0).endswith("10.0-50.0")
+    assert median_run([_run(40.0), _run(20.0)]).p99_ms == 20.0  # the lower middle
+    single = median_run([_run(7.0)])
+    assert single.p99_range_ms is None and not single.row("x", 1.0).endswith("7.0-7.0")
+    with pytest.raises(ValueError, match="no open-loop runs"):
+        median_run([])
