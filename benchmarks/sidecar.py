@@ -14,26 +14,41 @@ Without ``--model`` a LightGBM model is trained here on the first third of the t
 
 Open loop (``--rates``): saturation says nothing about latency, since at saturation
 every event waits for the backlog ahead of it. So each policy is also driven from the
-same file events released at offered rates (fractions of that policy's measured
-maximum, by wall clock, ``PacedSource``), and each event's latency is counted from its
+same events released at offered rates (fractions of that policy's maximum as a live
+stream, by wall clock, ``PacedSource``), and each event's latency is counted from its
 arrival (when it became available at the source) to the commit after its decisions
-were delivered: queueing, batching, scoring and the sink's flush included. Each open
-loop row also says where the loop's time went (``serving.loop.LOOP_PHASES``): how busy
-it was (wall time outside the source's poll), events per batch, and milliseconds per
-batch handling the events against delivering the decisions and committing the offsets.
-The saturated runs poll full batches, which spread a batch's delivery and commit (a
-broker round trip each through Kafka) over ~1,000 events; at half that rate a batch
-holds a few events, so the open loop is busier than half: through Kafka, two runs
-(2026-12-03), 76-85% busy, 2.2-3.0 ms per batch delivering and committing against
-2.4-5.2 ms handling (from a file, 55-68% busy).
+were delivered: queueing, batching, scoring and the sink's flush included.
+
+A live stream's event time passes as its events arrive, so the open loop's events are
+paced (``paced``): their timestamps are rescaled, order and relative spacing kept, so
+that event time passes at the offered rate, and the sidecar's event-time timers fire as
+often per event as they would live (a prefetch round every second, a stored score kept
+10 s). Released faster than they were stamped, the bench trace's events (5,000 requests
+over 29 minutes) put a prefetch round on every third event at half LightGBM's maximum,
+78 times as many per event as at that rate live: from a file, 59-66% busy and p99
+26.4-30.5 ms against 34-44% and 8.6-12.8 ms paced (two runs each, 2026-12-04). The
+maximum the rates are fractions of is that of a live stream too: the same events paced
+to the saturated run's rate, handled as fast as they come (``live_maximum``; through
+Kafka, produced to a topic of their own first). The saturated runs themselves (the
+throughput rows) serve the trace file on its own time, as ``kvwarm serve --source
+file:`` replays a log.
+
+Each open loop row also says where the loop's time went (``serving.loop.LOOP_PHASES``):
+how busy it was (wall time outside the source's poll), events per batch, and
+milliseconds per batch handling the events against delivering the decisions and
+committing the offsets. The saturated runs poll full batches, which spread a batch's
+delivery and commit (a broker round trip each through Kafka) over ~1,000 events; at
+half that rate a batch holds a few events, so the open loop is busier than half.
 
 Each open-loop rate runs ``--repeat`` times (3 by default) and prints the run whose p99
-is the median, with the range of the runs' p99s beside it: one run says little. At half
-the maximum rate the loop is 55-70% busy from a file, and half a second or more in which
-the machine slows (handling at 5-10 ms an event instead of ~2, over requests of ordinary
-size, at a different place in the trace each run) queues a hundred events or more: from
-a file, the same code gave LightGBM a p99 of 15 to 321 ms within a few hours
-(2026-12-03; docs/benchmarks.md, sidecar).
+is the median, with the range of the runs' p99s beside it: one run says little. What
+makes the tail (2026-12-04, each event's handling timed, events unpaced at half
+LightGBM's maximum from a file): the 13-17% of events handled in over 5 ms are the big
+requests (77 blocks on average against 29, 208 moves against 63), which also carry most
+eviction rounds (0.49 of the fastest tier's and 0.32 of the next one's per event,
+against 0.13 and 0.005) and prefetch steps; a few of them in a row queue the events
+behind them. Sampled stacks of those events show no other work: no garbage collection,
+no thread of the process. Two runs of the same code gave p99 70.7 and 22.8 ms.
 """
 
 from __future__ import annotations
@@ -150,6 +165,39 @@ def run_once(
         p99 * 1000,
         stats.score_seconds,
     )
+
+
+def paced(events: list[Any], rate_events_per_s: float) -> list[Any]:
+    """``events`` with their timestamps rescaled (``training.replay.rescale_time``: order
+    and relative spacing kept) so that event time passes at ``rate_events_per_s`` events
+    a second on average, as a live stream arriving at that rate is stamped."""
+    from training.replay import rescale_time
+
+    if rate_events_per_s <= 0:
+        raise ValueError(f"rate must be positive, got {rate_events_per_s}")
+    span_ms = events[-1].ts_ms - events[0].ts_ms if events else 0
+    if len(events) < 2 or span_ms <= 0:
+        return list(events)
+    return rescale_time(events, (len(events) - 1) * 1000 / rate_events_per_s / span_ms)
+
+
+AS_FAST_AS_POLLED = 1e9
+"""A ``PacedSource`` rate at which every event has arrived by the first poll."""
+
+
+def live_maximum(settings_kwargs: dict[str, Any], events: list[Any], pace: float) -> float:
+    """Events per second the sidecar handles, from memory, ``events`` paced to ``pace``
+    events/s (``paced``) and all available at once: the maximum of a live stream
+    arriving at about that rate, whose event-time work comes as often per event."""
+    return open_loop("max", settings_kwargs, paced(events, pace), AS_FAST_AS_POLLED).achieved_per_s
+
+
+def write_events(events: list[Any], path: Path) -> Path:
+    """``events`` as canonical JSON lines (what ``read_trace`` and ``produce_trace`` read)."""
+    import msgspec
+
+    path.write_bytes(b"".join(msgspec.json.encode(e.to_dict()) + b"\n" for e in events))
+    return path
 
 
 class PacedSource:
@@ -502,27 +550,32 @@ def serve_bench(
 
             events = list(read_trace(trace))
             click.echo(
-                "\nopen loop, file events released at offered rates "
-                "(latency per event from its arrival to its decisions' commit):"
+                "\nopen loop, the file's events paced and released at offered rates, from "
+                "memory (latency per event from its arrival to its decisions' commit):"
             )
-            click.echo(OPEN_LOOP_HEADER + (f"{'p99 range':>16}" if repeat > 1 else ""))
+            maxima = []
             for (label, spec), saturated in zip(
                 (("open  lru", "lru"), ("open  learned", model)), file_runs, strict=True
             ):
-                max_rate = saturated.events / saturated.elapsed_s
+                kwargs = {
+                    **common,
+                    "model": spec,
+                    "decisions": (f"file:{tmp / ('open-' + label.split()[-1] + '.jsonl')}",),
+                }
+                pace = saturated.events / saturated.elapsed_s
+                maxima.append((label, kwargs, live_maximum(kwargs, events, pace)))
+                click.echo(
+                    f"{label}: live maximum {maxima[-1][2]:,.0f} events/s "
+                    f"(paced to the file run's {pace:,.0f}/s)"
+                )
+            click.echo(OPEN_LOOP_HEADER + (f"{'p99 range':>16}" if repeat > 1 else ""))
+            for label, kwargs, max_rate in maxima:
                 for fraction in fractions:
-                    kwargs = {
-                        **common,
-                        "model": spec,
-                        "decisions": (f"file:{tmp / ('open-' + label.split()[-1] + '.jsonl')}",),
-                    }
+                    rate = fraction * max_rate
                     result = median_run(
-                        [
-                            open_loop(label, kwargs, events, fraction * max_rate)
-                            for _ in range(repeat)
-                        ]
+                        [open_loop(label, kwargs, paced(events, rate), rate) for _ in range(repeat)]
                     )
-                    click.echo(result.row(f"{label} @{fraction:g}x max", fraction * max_rate))
+                    click.echo(result.row(f"{label} @{fraction:g}x max", rate))
         if profile_out:
             # A separate run: the measured ones above carry no profiler overhead.
             kwargs = {
@@ -545,52 +598,73 @@ def serve_bench(
 
         kafka_runs = []
         tag = f"{os.getpid()}-{int(time.time())}"
-        for label, spec in (("kafka lru", "lru"), ("kafka learned", model)):
-            topic = f"kvwarm.bench.events.{label.split()[-1]}.{tag}"
+
+        def saturated_kafka(label: str, spec: str, path: Path, topic: str) -> RunResult:
+            """``path``'s events produced into ``topic`` first, then served from it."""
             ensure_topics(kafka_bootstrap, {topic: 1})
-            report = produce_trace(trace, kafka_bootstrap, topic, progress=False)
+            report = produce_trace(path, kafka_bootstrap, topic, progress=False)
             kwargs = {
                 **common,
                 "source": f"kafka://{kafka_bootstrap}/{topic}",
                 "model": spec,
                 "decisions": (f"kafka://{kafka_bootstrap}/kvwarm.bench.decisions.{tag}",),
-                "kafka_group_id": f"bench-{label.split()[-1]}-{tag}",
+                "kafka_group_id": f"bench-{topic}",
                 "_max_events": report.num_events,
             }
-            kafka_runs.append(run_once(label, kwargs))
+            return run_once(label, kwargs)
+
+        for label, spec in (("kafka lru", "lru"), ("kafka learned", model)):
+            name = label.split()[-1]
+            kafka_runs.append(
+                saturated_kafka(label, spec, trace, f"kvwarm.bench.events.{name}.{tag}")
+            )
         click.echo("")
         _print(kafka_runs, kafka_runs[0])
         if fractions:
             click.echo(
-                "\nopen loop through Kafka (1 partition): a producer sends the events at "
-                "offered rates (latency per event from its send to its decisions' commit):"
+                "\nopen loop through Kafka (1 partition): a producer sends the events, "
+                "paced, at offered rates (latency per event from its send to its decisions' "
+                "commit):"
             )
-            click.echo(OPEN_LOOP_HEADER + (f"{'p99 range':>16}" if repeat > 1 else ""))
+            kafka_maxima = []
             for (label, spec), saturated in zip(
                 (("kafka open  lru", "lru"), ("kafka open  learned", model)),
                 kafka_runs,
                 strict=True,
             ):
-                max_rate = saturated.events / saturated.elapsed_s
+                name = label.split()[-1]
+                pace = saturated.events / saturated.elapsed_s
+                live = saturated_kafka(
+                    label,
+                    spec,
+                    write_events(paced(events, pace), tmp / f"paced-{name}.jsonl"),
+                    f"kvwarm.bench.events.paced.{name}.{tag}",
+                )
+                kafka_maxima.append((label, spec, live.events / live.elapsed_s))
+                click.echo(
+                    f"{label}: live maximum {kafka_maxima[-1][2]:,.0f} events/s "
+                    f"(paced to the saturated run's {pace:,.0f}/s)"
+                )
+            click.echo(OPEN_LOOP_HEADER + (f"{'p99 range':>16}" if repeat > 1 else ""))
+            for label, spec, max_rate in kafka_maxima:
+                name = label.split()[-1]
+                open_kwargs = {
+                    **common,
+                    "model": spec,
+                    "decisions": (f"kafka://{kafka_bootstrap}/kvwarm.bench.decisions.open.{tag}",),
+                }
                 for fraction in fractions:
-                    name = label.split()[-1]
-                    kwargs = {
-                        **common,
-                        "model": spec,
-                        "decisions": (
-                            f"kafka://{kafka_bootstrap}/kvwarm.bench.decisions.open.{tag}",
-                        ),
-                    }
+                    rate = fraction * max_rate
                     result = median_run(
                         [
                             kafka_open_loop(
-                                kwargs,
-                                events,
-                                fraction * max_rate,
+                                open_kwargs,
+                                paced(events, rate),
+                                rate,
                                 kafka_bootstrap,
                                 f"kvwarm.bench.events.open.{name}.{fraction:g}.{tag}.{run}",
                             )
                             for run in range(repeat)
                         ]
                     )
-                    click.echo(result.row(f"{label} @{fraction:g}x", fraction * max_rate))
+                    click.echo(result.row(f"{label} @{fraction:g}x", rate))

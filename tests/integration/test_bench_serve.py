@@ -1,0 +1,30 @@
+"""``kvwarm bench serve`` end to end, from a file and through a real broker: each open
+loop offers fractions of a live stream's maximum (the events paced to the saturated
+run's rate), and its events are paced to the rate it offers."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+from click.testing import CliRunner
+
+from serving.cli import main
+
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
+
+
+def test_open_loops_offer_half_of_the_live_maximum(kafka_bootstrap: str) -> None:
+    args = ["bench", "serve", "--requests", "300", "--rates", "0.5", "--repeat", "1"]
+    result = CliRunner().invoke(main, [*args, "--kafka", kafka_bootstrap])
+    assert result.exit_code == 0, result.output
+    lines = result.output.splitlines()
+    assert not any("skipped" in line or "stalled" in line for line in lines), result.output
+    for label in ("open  lru", "open  learned", "kafka open  lru", "kafka open  learned"):
+        found = [m for line in lines if (m := re.match(rf"{label}: live maximum ([\d,]+) ", line))]
+        assert len(found) == 1, result.output
+        maximum = int(found[0].group(1).replace(",", ""))
+        rows = [line for line in lines if line.startswith(f"{label} @0.5x")]
+        assert len(rows) == 1, result.output
+        offered = int(rows[0][26:37].replace(",", ""))  # the row's offered/s column
+        assert maximum > 0 and abs(offered - maximum / 2) <= 1, rows[0]
