@@ -549,6 +549,7 @@ def serve_bench(
             from features.decoders import read_trace
 
             events = list(read_trace(trace))
+            blocks_per_event = sum(len(e.block_hashes) for e in events) / max(1, len(events))
             click.echo(
                 "\nopen loop, the file's events paced and released at offered rates, from "
                 "memory (latency per event from its arrival to its decisions' commit):"
@@ -565,7 +566,8 @@ def serve_bench(
                 pace = saturated.events / saturated.elapsed_s
                 maxima.append((label, kwargs, live_maximum(kwargs, events, pace)))
                 click.echo(
-                    f"{label}: live maximum {maxima[-1][2]:,.0f} events/s "
+                    f"{label}: live maximum {maxima[-1][2]:,.0f} events/s, "
+                    f"{maxima[-1][2] * blocks_per_event:,.0f} block accesses/s "
                     f"(paced to the file run's {pace:,.0f}/s)"
                 )
             click.echo(OPEN_LOOP_HEADER + (f"{'p99 range':>16}" if repeat > 1 else ""))
@@ -642,7 +644,8 @@ def serve_bench(
                 )
                 kafka_maxima.append((label, spec, live.events / live.elapsed_s))
                 click.echo(
-                    f"{label}: live maximum {kafka_maxima[-1][2]:,.0f} events/s "
+                    f"{label}: live maximum {kafka_maxima[-1][2]:,.0f} events/s, "
+                    f"{kafka_maxima[-1][2] * blocks_per_event:,.0f} block accesses/s "
                     f"(paced to the saturated run's {pace:,.0f}/s)"
                 )
             click.echo(OPEN_LOOP_HEADER + (f"{'p99 range':>16}" if repeat > 1 else ""))

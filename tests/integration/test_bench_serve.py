@@ -21,7 +21,11 @@ def test_open_loops_offer_half_of_the_live_maximum(kafka_bootstrap: str) -> None
     lines = result.output.splitlines()
     assert not any("skipped" in line or "stalled" in line for line in lines), result.output
     for label in ("open  lru", "open  learned", "kafka open  lru", "kafka open  learned"):
-        found = [m for line in lines if (m := re.match(rf"{label}: live maximum ([\d,]+) ", line))]
+        found = [
+            m
+            for line in lines
+            if (m := re.match(rf"{label}: live maximum ([\d,]+) events/s, [\d,]+ block", line))
+        ]
         assert len(found) == 1, result.output
         maximum = int(found[0].group(1).replace(",", ""))
         rows = [line for line in lines if line.startswith(f"{label} @0.5x")]
