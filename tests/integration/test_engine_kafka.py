@@ -158,12 +158,15 @@ def test_vllm_events_and_request_events_through_kafka_give_engine_hashed_hints(
                 executor.send_raw(json.dumps(make_ack(envelope["message_id"], results)).encode())
             executor.send_raw(b'{"not": "an ack"}')
         # The malformed ack was sent last; wait for it too (the reader counts as it goes).
+        # Once (a fresh-clone CI run, 2026-12-04) the acks were not all counted within 60 s
+        # and the test said nothing of what it had seen: wait_for's bound now, with the
+        # counts on failure. The ack reader joins its consumer group as the service starts.
         wait_for(
             lambda: (
                 service.acks().get("accepted", 0) == len(got)
                 and service.acks().get("malformed") == 1
             ),
-            timeout_s=60,
+            state=lambda: (dict(service.acks()), len(got)),
         )
         assert service.http is not None
         with urllib.request.urlopen(service.http.url + "/metrics", timeout=10) as reply:
