@@ -192,6 +192,14 @@ def live_maximum(settings_kwargs: dict[str, Any], events: list[Any], pace: float
     return open_loop("max", settings_kwargs, paced(events, pace), AS_FAST_AS_POLLED).achieved_per_s
 
 
+def _live_line(label: str, maximum: float, blocks_per_event: float, run: str, pace: float) -> str:
+    """The line that states a policy's live maximum (events/s and block accesses/s)."""
+    return (
+        f"{label}: live maximum {maximum:,.0f} events/s, "
+        f"{maximum * blocks_per_event:,.0f} block accesses/s (paced to the {run}'s {pace:,.0f}/s)"
+    )
+
+
 def write_events(events: list[Any], path: Path) -> Path:
     """``events`` as canonical JSON lines (what ``read_trace`` and ``produce_trace`` read)."""
     import msgspec
@@ -564,12 +572,9 @@ def serve_bench(
                     "decisions": (f"file:{tmp / ('open-' + label.split()[-1] + '.jsonl')}",),
                 }
                 pace = saturated.events / saturated.elapsed_s
-                maxima.append((label, kwargs, live_maximum(kwargs, events, pace)))
-                click.echo(
-                    f"{label}: live maximum {maxima[-1][2]:,.0f} events/s, "
-                    f"{maxima[-1][2] * blocks_per_event:,.0f} block accesses/s "
-                    f"(paced to the file run's {pace:,.0f}/s)"
-                )
+                maximum = live_maximum(kwargs, events, pace)
+                maxima.append((label, kwargs, maximum))
+                click.echo(_live_line(label, maximum, blocks_per_event, "file run", pace))
             click.echo(OPEN_LOOP_HEADER + (f"{'p99 range':>16}" if repeat > 1 else ""))
             for label, kwargs, max_rate in maxima:
                 for fraction in fractions:
@@ -642,12 +647,9 @@ def serve_bench(
                     write_events(paced(events, pace), tmp / f"paced-{name}.jsonl"),
                     f"kvwarm.bench.events.paced.{name}.{tag}",
                 )
-                kafka_maxima.append((label, spec, live.events / live.elapsed_s))
-                click.echo(
-                    f"{label}: live maximum {kafka_maxima[-1][2]:,.0f} events/s, "
-                    f"{kafka_maxima[-1][2] * blocks_per_event:,.0f} block accesses/s "
-                    f"(paced to the saturated run's {pace:,.0f}/s)"
-                )
+                maximum = live.events / live.elapsed_s
+                kafka_maxima.append((label, spec, maximum))
+                click.echo(_live_line(label, maximum, blocks_per_event, "saturated run", pace))
             click.echo(OPEN_LOOP_HEADER + (f"{'p99 range':>16}" if repeat > 1 else ""))
             for label, spec, max_rate in kafka_maxima:
                 name = label.split()[-1]
