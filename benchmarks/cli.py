@@ -14,6 +14,11 @@ import click
 
 # name -> ("module:attribute", one-line help)
 BENCHES: dict[str, tuple[str, str]] = {
+    "chains": (
+        "benchmarks.chain_signal:chain_signal_bench",
+        "How well the chain return model tells returning conversations apart on the "
+        "held-out part, against recency alone (ROC AUC, average precision, per feature).",
+    ),
     "executor": (
         "benchmarks.executor_promote:bench_executor",
         "Executor promote GB/s, serial vs parallel vs raw read of the same files.",

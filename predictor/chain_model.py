@@ -345,9 +345,12 @@ def chain_dataset(
     horizon_ms: int,
     snapshot_interval_ms: int = 10_000,
     max_chain_age_ms: int = 3_600_000,
+    rows_from_ms: int | None = None,
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(features, continued within H, time since last turn in ms) of every chain idle
-    for at most ``max_chain_age_ms`` at each snapshot instant."""
+    for at most ``max_chain_age_ms`` at each snapshot instant. ``rows_from_ms``: rows
+    only at the snapshots from then on (a held-out part), the chains followed from the
+    first event all the same; the rows are those the whole dataset has at them."""
     tracker = ChainTracker(keep_finished=True, index_blocks=False)
     rows: list[np.ndarray] = []
     keys: list[tuple[int, int, int]] = []  # (chain id, snapshot ts, since)
@@ -364,7 +367,8 @@ def chain_dataset(
                 for leaf, c in tracker.chains.items()
                 if next_snapshot - c.last_ts_ms <= max_chain_age_ms
             ]
-            if leaves and next_snapshot + horizon_ms <= end_ms:
+            held_out = rows_from_ms is None or next_snapshot >= rows_from_ms
+            if leaves and held_out and next_snapshot + horizon_ms <= end_ms:
                 rows.append(tracker.features(leaves, next_snapshot))
                 for leaf in leaves:
                     chain = tracker.chains[leaf]
