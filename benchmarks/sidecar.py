@@ -17,7 +17,10 @@ every event waits for the backlog ahead of it. So each policy is also driven fro
 same events released at offered rates (fractions of that policy's maximum as a live
 stream, by wall clock, ``PacedSource``), and each event's latency is counted from its
 arrival (when it became available at the source) to the commit after its decisions
-were delivered: queueing, batching, scoring and the sink's flush included.
+were delivered: queueing, batching, scoring and the sink's flush included. Through
+Kafka the offsets themselves reach the broker at most every ``kafka_commit_interval_ms``
+(100 ms by default, as ``kvwarm serve`` runs; ``serving.kafka_io.KafkaEventSource``): an
+event's decisions are delivered at that commit, its offset may go with a later one.
 
 A live stream's event time passes as its events arrive, so the open loop's events are
 paced (``paced``): their timestamps are rescaled, order and relative spacing kept, so
@@ -38,7 +41,9 @@ how busy it was (wall time outside the source's poll), events per batch, and
 milliseconds per batch handling the events against delivering the decisions and
 committing the offsets. The saturated runs poll full batches, which spread a batch's
 delivery and commit (a broker round trip each through Kafka) over ~1,000 events; at
-half that rate a batch holds a few events, so the open loop is busier than half.
+half that rate a batch holds a few events, so the open loop is busier than half. The
+commit interval takes the commit's round trip off most batches (1.2-1.5 ms of the
+2.6-3.2 ms a batch spent delivering and committing, 2026-12-05).
 
 Each open-loop rate runs ``--repeat`` times (3 by default) and prints the run whose p99
 is the median, with the range of the runs' p99s beside it: one run says little. What
@@ -420,15 +425,24 @@ def kafka_open_loop(
 ) -> OpenLoopResult:
     """A producer process sends ``events`` into a one-partition ``topic`` at
     ``rate_events_per_s`` while the sidecar consumes it; latency per event from its
-    send to its decisions' commit."""
+    send to the loop's commit after its decisions were delivered (the offsets go to the
+    broker at most every ``kafka_commit_interval_ms``, as ``kvwarm serve`` runs)."""
     import multiprocessing
 
     from serving.kafka_io import KafkaEventSource, ensure_topics
 
     ensure_topics(bootstrap, {topic: 1})
-    source = _ArrivalTimedSource(KafkaEventSource(bootstrap, topic, group_id=topic + ".g"))
+    settings = load_settings(None, **settings_kwargs)
+    source = _ArrivalTimedSource(
+        KafkaEventSource(
+            bootstrap,
+            topic,
+            group_id=topic + ".g",
+            commit_interval_ms=settings.kafka_commit_interval_ms,
+        )
+    )
     source.inner.poll(1, timeout_ms=10_000)  # join the group before the clock starts
-    service = Service(load_settings(None, **settings_kwargs), source=source)  # type: ignore[arg-type]
+    service = Service(settings, source=source)  # type: ignore[arg-type]
     # spawn, not fork: this process runs kafka-python's network threads.
     ctx = multiprocessing.get_context("spawn")
     receive, send = ctx.Pipe(duplex=False)
@@ -630,8 +644,9 @@ def serve_bench(
         if fractions:
             click.echo(
                 "\nopen loop through Kafka (1 partition): a producer sends the events, "
-                "paced, at offered rates (latency per event from its send to its decisions' "
-                "commit):"
+                "paced, at offered rates (latency per event from its send to the commit "
+                "after its decisions were delivered; offsets to the broker at most every "
+                f"{load_settings(None, **common).kafka_commit_interval_ms} ms):"
             )
             kafka_maxima = []
             for (label, spec), saturated in zip(

@@ -295,6 +295,7 @@ def open_source(settings: SidecarSettings) -> EventSource:
             group_id=settings.kafka_group_id,
             group_instance_id=settings.kafka_group_instance_id,
             dead_letter_topic=settings.kafka_dead_letter_topic,
+            commit_interval_ms=settings.kafka_commit_interval_ms,
         )
     if ep.scheme == "zmq":
         from serving.zmq_source import ZmqEventSource

@@ -264,6 +264,16 @@ class SidecarSettings(BaseSettings):
     kafka_dead_letter_topic: str | None = Field(
         None, description="Dead-letter topic of a Kafka source (default: SOURCE_TOPIC.dlq)."
     )
+    kafka_commit_interval_ms: int = Field(
+        100,
+        ge=0,
+        le=60_000,
+        description="Kafka source: send the consumed offsets to the broker at most this "
+        "often (after the decisions of every event up to them are delivered; a quiet "
+        "stream and shutdown send them too). A crash or a rebalance redelivers what was "
+        "handled since (at least once). 0: after every batch "
+        "(serving.kafka_io.KafkaEventSource).",
+    )
     state_topic: str | None = Field(
         None,
         min_length=1,

@@ -92,6 +92,49 @@ def test_consumer_resumes_from_committed_offsets(
     assert ids == [str(i) for i in range(400)]
 
 
+def test_commit_interval_holds_offsets_back_until_it_passes_a_quiet_poll_or_close(
+    kafka_bootstrap: str, unique_topic: Callable[[str], str], small_trace: Path
+) -> None:
+    """With a commit interval, ``commit()`` marks what was handed out as done but sends
+    it to the broker at most once per interval; a poll past the interval sends what is
+    done (never what that poll hands out), and ``close()`` sends the rest."""
+    from kafka import KafkaConsumer, TopicPartition
+
+    topic, group = unique_topic("events"), unique_topic("group")
+    ensure_topics(kafka_bootstrap, {topic: 1})
+    produce_trace(small_trace, kafka_bootstrap, topic, limit=300, progress=False)
+    tp = TopicPartition(topic, 0)
+    watcher = KafkaConsumer(
+        bootstrap_servers=kafka_bootstrap, group_id=group, enable_auto_commit=False
+    )
+    interval_s = 3.0
+    try:
+        source = KafkaEventSource(
+            kafka_bootstrap, topic, group_id=group, commit_interval_ms=int(interval_s * 1000)
+        )
+        first: list = []
+        while len(first) < 100:
+            first += source.poll(100 - len(first), timeout_ms=500)
+        source.commit()  # the first commit goes at once
+        sent_at = time.monotonic()
+        assert watcher.committed(tp) == 100
+        second = source.poll(50, timeout_ms=500)
+        assert second
+        source.commit()  # within the interval: marked done, held back
+        if time.monotonic() - sent_at < interval_s:
+            assert watcher.committed(tp) == 100
+        time.sleep(max(0.0, interval_s - (time.monotonic() - sent_at)) + 0.2)
+        third = source.poll(50, timeout_ms=500)  # sends what is done, hands out more
+        assert third
+        assert watcher.committed(tp) == 100 + len(second)
+        source.commit()  # held back again: the poll just sent
+        source.close()
+        assert watcher.committed(tp) == 100 + len(second) + len(third)
+        assert source.stats()["commits"] == 3
+    finally:
+        watcher.close()
+
+
 def test_decision_sink_keys_by_block_hash(
     kafka_bootstrap: str, unique_topic: Callable[[str], str]
 ) -> None:
