@@ -382,10 +382,11 @@ class KafkaEventSource:
       last commit sent, as a crash redelivers the batch in hand: at least once either
       way (with ``state_topic`` the new owner starts from its snapshot's positions
       instead). Measured (``kvwarm bench serve``'s Kafka open loop, half of each
-      policy's maximum, three runs each, 2026-12-05): each batch of ~4 events spent
-      1.2-1.5 ms in the commit's round trip; at 100 ms LightGBM's p99 was 23.5-31.6 ms
-      against 42.5-55.4 ms at 73-76% busy against 86-88%, LRU's 18.8-35.3 against
-      25.4-53.6 ms. 0: every ``commit()`` goes to the broker.
+      policy's maximum, 2026-12-05): each batch of ~4 events spent 1.2-1.5 ms in the
+      commit's round trip; alternating 0 and 100 ms in one session, LightGBM's p99 was
+      23.5-27.7 ms at 100 against 41.3-49.5 ms at 0 (three pairs, 71-73% busy against
+      82-85%), LRU's 21.1-31.2 against 33.9-83.5 ms (four pairs). 0: every
+      ``commit()`` goes to the broker.
     - ``close()``: sends the offsets marked done and not yet sent (a short timeout:
       shutdown is not held up by a broker that is away), then leaves the group.
 
