@@ -51,18 +51,28 @@ class HorizonSignal:
 
 
 def chain_signal(
-    events: Sequence[BlocksAccessed], train_fraction: float, horizons_ms: Sequence[int]
+    events: Sequence[BlocksAccessed],
+    train_fraction: float,
+    horizons_ms: Sequence[int],
+    skipped: list[str] | None = None,
 ) -> list[HorizonSignal]:
-    """One ``HorizonSignal`` per horizon (see the module docstring). Raises ValueError
-    when a horizon leaves no held-out rows, or rows of one class only."""
+    """One ``HorizonSignal`` per horizon that can be measured (see the module
+    docstring). A horizon that leaves no held-out rows, rows of one class only, or too
+    few training rows is left out, with the reason appended to ``skipped``; ValueError
+    when none is left."""
     from sklearn.metrics import average_precision_score, roc_auc_score
 
     train, test = split_events(events, train_fraction)
     if not train or not test:
         raise ValueError("the trace has no held-out part: use a lower --train-fraction")
     out = []
+    reasons: list[str] = []
     for horizon_ms in horizons_ms:
-        policy = ChainPolicy(ChainParams(horizon_ms=horizon_ms)).fit(train)
+        try:
+            policy = ChainPolicy(ChainParams(horizon_ms=horizon_ms)).fit(train)
+        except ValueError as exc:
+            reasons.append(f"horizon {horizon_ms / 1000:g} s: training part: {exc}")
+            continue
         p = policy.params
         x, y, since = chain_dataset(
             events,
@@ -72,10 +82,12 @@ def chain_signal(
             rows_from_ms=test[0].ts_ms,
         )
         if y.all() or not y.any():
-            raise ValueError(
-                f"horizon {horizon_ms} ms: {x.shape[0]} held-out rows, {int(y.sum())} "
-                "returns; no ranking to measure (a longer trace, or another horizon)"
+            reasons.append(
+                f"horizon {horizon_ms / 1000:g} s: {x.shape[0]} held-out rows, "
+                f"{int(y.sum())} returns; no ranking to measure (a longer trace, or a "
+                "shorter horizon)"
             )
+            continue
         assert policy.model is not None
         scores = np.asarray(policy.model.predict(x), dtype=np.float64)
         recency = -since.astype(np.float64)
@@ -93,6 +105,10 @@ def chain_signal(
                 },
             )
         )
+    if skipped is not None:
+        skipped.extend(reasons)
+    if not out:
+        raise ValueError("; ".join(reasons) or "no horizon given")
     return out
 
 
@@ -147,8 +163,11 @@ def chain_signal_bench(trace: Path | None, train_fraction: float, horizons: list
         f"{train_fraction:.0%} of the time span, rows of the rest (every live chain every "
         "10 s) scored by it and by recency alone (time since the chain's last turn)"
     )
+    skipped: list[str] = []
     try:
-        results = chain_signal(events, train_fraction, horizons)
+        results = chain_signal(events, train_fraction, horizons, skipped)
     except ValueError as exc:
         raise click.ClickException(str(exc)) from exc
     click.echo(format_signal(results))
+    for reason in skipped:
+        click.echo(f"left out: {reason}")

@@ -62,3 +62,12 @@ def test_command_prints_the_table_and_refuses_a_horizon_without_unit(tmp_path):
     assert "recency AUC" in done.output and "10 s" in done.output
     bad = runner.invoke(chain_signal_bench, ["--trace", str(trace), "--horizons", "10"])
     assert bad.exit_code != 0 and "no unit" in bad.output
+
+
+def test_a_horizon_longer_than_the_held_out_part_is_left_out_with_its_reason(planted):
+    skipped: list[str] = []
+    results = chain_signal(planted, 0.6, [HORIZON_MS, 36_000_000], skipped)
+    assert [r.horizon_ms for r in results] == [HORIZON_MS]
+    assert len(skipped) == 1 and "36000 s" in skipped[0]
+    with pytest.raises(ValueError, match="36000 s"):
+        chain_signal(planted, 0.6, [36_000_000])
