@@ -36,6 +36,10 @@ from training.replay import split_events
 DEFAULT_HORIZONS = "60s,5m,15m"
 
 
+def _seconds(ms: int) -> str:
+    return f"{ms / 1000:g} s"
+
+
 @dataclass(frozen=True)
 class HorizonSignal:
     horizon_ms: int
@@ -71,7 +75,7 @@ def chain_signal(
         try:
             policy = ChainPolicy(ChainParams(horizon_ms=horizon_ms)).fit(train)
         except ValueError as exc:
-            reasons.append(f"horizon {horizon_ms / 1000:g} s: training part: {exc}")
+            reasons.append(f"horizon {_seconds(horizon_ms)}: training part: {exc}")
             continue
         p = policy.params
         x, y, since = chain_dataset(
@@ -83,7 +87,7 @@ def chain_signal(
         )
         if y.all() or not y.any():
             reasons.append(
-                f"horizon {horizon_ms / 1000:g} s: {x.shape[0]} held-out rows, "
+                f"horizon {_seconds(horizon_ms)}: {x.shape[0]} held-out rows, "
                 f"{int(y.sum())} returns; no ranking to measure (a longer trace, or a "
                 "shorter horizon)"
             )
@@ -113,21 +117,18 @@ def chain_signal(
 
 
 def format_signal(results: Sequence[HorizonSignal]) -> str:
-    def h(ms: int) -> str:
-        return f"{ms / 1000:g} s"
-
     lines = [
         f"{'horizon':>9} {'rows':>10} {'returns':>8} {'model AUC':>10} {'recency AUC':>12} "
         f"{'model AP':>9} {'recency AP':>11}"
     ]
     for r in results:
         lines.append(
-            f"{h(r.horizon_ms):>9} {r.rows:>10,} {r.returns:>8.3f} {r.model_auc:>10.3f} "
+            f"{_seconds(r.horizon_ms):>9} {r.rows:>10,} {r.returns:>8.3f} {r.model_auc:>10.3f} "
             f"{r.recency_auc:>12.3f} {r.model_ap:>9.3f} {r.recency_ap:>11.3f}"
         )
     lines.append("")
     lines.append("each feature alone, ROC AUC (- : smaller values mean likelier to return)")
-    lines.append(f"{'feature':>24} " + " ".join(f"{h(r.horizon_ms):>9}" for r in results))
+    lines.append(f"{'feature':>24} " + " ".join(f"{_seconds(r.horizon_ms):>9}" for r in results))
     for name in CHAIN_FEATURES:
         cells = []
         for r in results:

@@ -632,21 +632,19 @@ class KafkaEventSource:
                 )
         self._done = dict(self._committable)  # everything handed out is handled now
         if self.commit_interval_ms and not self._interval_passed():
-            return  # sent with a later commit, poll, revocation or close
+            return  # sent with a later commit or poll, or at close
         self._send_done()
 
     def _interval_passed(self) -> bool:
         return (time.monotonic() - self._last_sent_s) * 1000 >= self.commit_interval_ms
 
-    def _send_done(
-        self, partitions: set[TopicPartition] | None = None, timeout_ms: int | None = None
-    ) -> None:
-        """Commit the offsets marked done (of ``partitions``; None: all) that the broker
-        does not have yet, synchronously."""
+    def _send_done(self, timeout_ms: int | None = None) -> None:
+        """Commit the offsets marked done that the broker does not have yet,
+        synchronously."""
         offsets = {
             tp: OffsetAndMetadata(offset, "", -1)
             for tp, offset in self._done.items()
-            if self._committed.get(tp) != offset and (partitions is None or tp in partitions)
+            if self._committed.get(tp) != offset
         }
         if not offsets:
             return

@@ -273,8 +273,8 @@ def _general_order(moves, counts_after, limits):
 
 def test_order_for_room_fast_path_equals_the_general_order_on_real_rounds(small_trace):
     """Rounds of a real sidecar run (LRU, three small tiers): for each, the order
-    returned (the planner's when nothing waits, else the loop for one move a block)
-    equals the general algorithm's."""
+    returned (the planner's when nothing waits, else the waiting loop with no chains to
+    follow) equals the general algorithm's."""
     rounds: list[tuple[list[Move], list[int], list[int]]] = []
     placement = Placement(TIERS, [8, 16, 64])
     sidecar = Sidecar(make_policy("lru"), Planner(PlannerParams()), placement)
@@ -292,7 +292,7 @@ def test_order_for_room_fast_path_equals_the_general_order_on_real_rounds(small_
         fast = order_for_room(moves, counts, limits)
         assert fast == _general_order(moves, counts, limits)
         waited += fast != moves
-    assert waited > 0  # some rounds needed reordering: the one-move-a-block loop ran
+    assert waited > 0  # some rounds needed reordering: the waiting loop ran
 
 
 def test_planned_decisions_equal_checked_ones_and_unsound_moves_are_refused():
