@@ -325,6 +325,35 @@ def set_idle_backoff(consumer: KafkaConsumer, ms: int) -> None:
     consumer.config["retry_backoff_ms"] = ms
 
 
+def heal_stalled_join(consumer: KafkaConsumer) -> bool:
+    """Restart a group join that kafka-python 3.0 would leave unfinished; True if it did.
+
+    A rejoin begun because the metadata changed (a subscribed topic first seen, or
+    partitions added) ends when the group leader's assignment matches the new
+    metadata. The leader records that match while the JoinGroup/SyncGroup round trip is
+    still its own task. If the poll's timeout passes just as the round trip ends, the
+    next poll sees nothing left to rejoin for and never takes the task's answer: no
+    partitions are assigned, heartbeats stay off, the broker drops the member after its
+    session timeout, and the consumer reads nothing, for good. Polls of 5 ms hit this
+    on every new group whose first join came before the topic's metadata
+    (``tests/integration/test_kafka_roundtrip.py``); the ack reader's 200 ms polls hit
+    it under load (a fresh-clone CI run: no ack read in 120 s). Call this after each
+    poll: a finished join task that no poll will take is the stalled state exactly, and
+    a fresh rejoin (one more generation) ends it. Reads the coordinator's private
+    fields, so it does nothing where a kafka-python release lacks them."""
+    coordinator = getattr(consumer, "_coordinator", None)
+    task = getattr(coordinator, "_join_task", None)
+    if task is None or not getattr(task, "is_done", False):
+        return False
+    if coordinator.need_rejoin():  # type: ignore[union-attr]
+        return False  # the next poll takes (or retries) it
+    log.warning(
+        "kafka-python left a group join unfinished; rejoining (%s)", consumer.config.get("group_id")
+    )
+    coordinator.request_rejoin()  # type: ignore[union-attr]
+    return True
+
+
 @dataclass(slots=True)
 class _Fetched:
     """One fetched message and how many of its events have been handed out."""
@@ -492,6 +521,7 @@ class KafkaEventSource:
         self.dead_letters_by_reason: Counter[str] = Counter()
         self.num_commits = 0
         self.num_commit_failures = 0
+        self.num_join_heals = 0
 
     @property
     def exhausted(self) -> bool:
@@ -505,6 +535,7 @@ class KafkaEventSource:
             self._send_done()  # offsets a quiet stream left waiting
         if not any(m.num_handed_out < len(m.events) for m in self._pending):
             batch = self._consumer.poll(timeout_ms=timeout_ms, max_records=max_events)
+            self.num_join_heals += heal_stalled_join(self._consumer)
             for records in batch.values():
                 for record in records:
                     self._pending.append(self._decode(record))
@@ -689,6 +720,7 @@ class KafkaEventSource:
             "dead_letters_by_reason": dict(self.dead_letters_by_reason),
             "commits": self.num_commits,
             "commit_failures": self.num_commit_failures,
+            "join_heals": self.num_join_heals,
         }
 
     def __enter__(self) -> KafkaEventSource:
@@ -892,6 +924,7 @@ class KafkaDecisionSink(_Producer):
                 "metadata_max_age_ms": 5_000,
             }
             consumer = _connect("ack consumer", bootstrap, options, lambda: KafkaConsumer(**cfg))
+            consumer.partitions_for_topic(ack_topic)  # known before joining (see the source)
             consumer.subscribe([ack_topic])
             # Acks arrive whether or not events do: a thread of its own reads them (the
             # consumer is used by that thread only; counts are plain Counter updates).
@@ -951,7 +984,9 @@ class KafkaDecisionSink(_Producer):
         """Count acknowledgements until ``close``; a malformed one counts as malformed."""
         try:
             while not self._ack_stop.is_set():
-                for records in consumer.poll(timeout_ms=200).values():
+                batch = consumer.poll(timeout_ms=200)
+                heal_stalled_join(consumer)
+                for records in batch.values():
                     for record in records:
                         try:
                             pairs = parse_ack(msgspec.json.decode(record.value or b""))

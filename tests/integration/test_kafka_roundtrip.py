@@ -12,15 +12,18 @@ from pathlib import Path
 import pytest
 
 from devtools.kafka_broker import free_port
+from executor.kvhints import make_ack
 from features.decoders import read_trace
 from features.events import BlocksAccessed
 from serving.kafka_io import (
     ConnectOptions,
     KafkaDecisionSink,
+    KafkaEventProducer,
     KafkaEventSource,
     KafkaUnavailableError,
     decode_decision_record,
     ensure_topics,
+    heal_stalled_join,
     produce_trace,
     read_topic,
     topic_partitions,
@@ -133,6 +136,50 @@ def test_commit_interval_holds_offsets_back_until_it_passes_a_quiet_poll_or_clos
         assert source.stats()["commits"] == 3
     finally:
         watcher.close()
+
+
+def test_a_join_kafka_python_leaves_unfinished_is_healed_and_the_ack_reader_reads(
+    kafka_bootstrap: str, unique_topic: Callable[[str], str]
+) -> None:
+    """kafka-python 3.0 leaves a rejoin unfinished when the poll's timeout passes as it
+    ends: a consumer that joins before it knows its topic's partitions, polled every
+    5 ms, was never assigned anything in 15 of 15 tries without ``heal_stalled_join``
+    (each waited 8 s). With it, every one is assigned. The ack reader (whose 200 ms polls
+    hit the same stall under load in CI) reads acks sent before and after it joins."""
+    from kafka import KafkaConsumer
+
+    for attempt in range(3):
+        topic = unique_topic(f"join{attempt}")
+        ensure_topics(kafka_bootstrap, {topic: 1})
+        consumer = KafkaConsumer(bootstrap_servers=kafka_bootstrap, group_id=topic)
+        try:
+            consumer.subscribe([topic])  # before its metadata: the first join assigns nothing
+            deadline = time.monotonic() + 60
+            while not consumer.assignment():
+                assert time.monotonic() < deadline, f"attempt {attempt}: never assigned"
+                consumer.poll(timeout_ms=5)
+                heal_stalled_join(consumer)
+        finally:
+            consumer.close()
+
+    acks, decisions = unique_topic("acks"), unique_topic("decisions")
+    ensure_topics(kafka_bootstrap, {acks: 1, decisions: 1})
+    body = json.dumps(make_ack("m1", [("a1", "accepted", ""), ("a2", "rejected", "full")]))
+    with KafkaEventProducer(kafka_bootstrap, acks, client_id="test-executor") as executor:
+        executor.send_raw(body.encode())
+    sink = KafkaDecisionSink(
+        kafka_bootstrap, decisions, decision_format="kvhints", ack_topic=acks,
+        ack_group_id=unique_topic("ack-group"),
+    )  # fmt: skip
+    try:
+        with KafkaEventProducer(kafka_bootstrap, acks, client_id="test-executor") as executor:
+            executor.send_raw(body.encode())
+        deadline = time.monotonic() + 120
+        while sink.acks != {"accepted": 2, "rejected": 2}:
+            assert time.monotonic() < deadline, f"acks read: {dict(sink.acks)}"
+            time.sleep(0.05)
+    finally:
+        sink.close()
 
 
 def test_decision_sink_keys_by_block_hash(
