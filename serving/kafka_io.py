@@ -335,7 +335,9 @@ def heal_stalled_join(consumer: KafkaConsumer) -> bool:
     next poll sees nothing left to rejoin for and never takes the task's answer: no
     partitions are assigned, heartbeats stay off, the broker drops the member after its
     session timeout, and the consumer reads nothing, for good. Polls of 5 ms hit this
-    on every new group whose first join came before the topic's metadata
+    on every new group whose first join came before the topic's metadata, and on the
+    event source each time partitions were added to its topic: it then read nothing
+    more, from the old partition either, 3 times of 3
     (``tests/integration/test_kafka_roundtrip.py``); the ack reader's 200 ms polls hit
     it under load (a fresh-clone CI run: no ack read in 120 s). Call this after each
     poll: a finished join task that no poll will take is the stalled state exactly, and

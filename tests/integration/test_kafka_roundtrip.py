@@ -182,6 +182,53 @@ def test_a_join_kafka_python_leaves_unfinished_is_healed_and_the_ack_reader_read
         sink.close()
 
 
+def test_the_source_reads_partitions_added_while_it_runs(
+    kafka_bootstrap: str, unique_topic: Callable[[str], str]
+) -> None:
+    """Partitions added to the events topic while the sidecar consumes it: the group
+    leader rejoins for the metadata change (the rejoin kafka-python 3.0 can leave
+    unfinished: ``heal_stalled_join``) and the source reads the new partitions too,
+    polled every 5 ms."""
+    import msgspec
+    from kafka.admin import KafkaAdminClient, NewPartitions
+
+    topic, group = unique_topic("events"), unique_topic("group")
+    ensure_topics(kafka_bootstrap, {topic: 1})
+
+    def event(i: int) -> bytes:
+        return msgspec.json.encode(
+            BlocksAccessed(
+                ts_ms=1_000 + i, request_id=f"r{i}", block_hashes=(i,), block_size_tokens=16
+            ).to_dict()
+        )
+
+    def read(source: KafkaEventSource, want: set[str]) -> None:
+        got: set[str] = set()
+        deadline = time.monotonic() + 60
+        while not want <= got:
+            assert time.monotonic() < deadline, f"missing {sorted(want - got)}"
+            got |= {e.request_id for e in source.poll(100, timeout_ms=5)}
+            source.commit()
+
+    with KafkaEventSource(
+        kafka_bootstrap, topic, group_id=group, metadata_max_age_ms=500, commit_interval_ms=0
+    ) as source:
+        with KafkaEventProducer(kafka_bootstrap, topic) as producer:
+            for i in range(5):
+                producer.send_record(event(i), partition=0)
+        read(source, {f"r{i}" for i in range(5)})
+        admin = KafkaAdminClient(bootstrap_servers=kafka_bootstrap)
+        try:
+            admin.create_partitions({topic: NewPartitions(total_count=3)})
+        finally:
+            admin.close()
+        assert topic_partitions(kafka_bootstrap, topic) == 3
+        with KafkaEventProducer(kafka_bootstrap, topic) as producer:
+            for i in range(5, 11):
+                producer.send_record(event(i), partition=i % 3)
+        read(source, {f"r{i}" for i in range(5, 11)})
+
+
 def test_decision_sink_keys_by_block_hash(
     kafka_bootstrap: str, unique_topic: Callable[[str], str]
 ) -> None:
