@@ -18,10 +18,15 @@ Decode-only stretches (nothing to prefill until ``horizon_ms``) advance several
 steps at once with the exact sum of their times (contexts grow by one token a
 step), so long decodes cost O(1) each, not O(output tokens).
 
-Callbacks, both optional: ``on_schedule(request, now_ms) -> load_ready_ms`` is called
-when a request whose ``load_ready_ms`` is None first gets prefill budget (the
-"no prewarm" case: its loads start only then); ``on_first_token`` and ``on_finish``
-receive the request when those happen.
+Callbacks, all optional: ``on_schedule(request, now_ms) -> (load_ready_ms,
+cached_tokens)`` is called when a request first gets prefill budget, as an engine looks
+its prompt up in its prefix cache and its KV connector when it first schedules the
+request (vLLM's scheduler): for a request whose ``load_ready_ms`` is None (the "no
+prewarm" case) its loads start only then; one whose loads started at arrival (prewarm)
+may find more of its prefix cached by now (blocks earlier requests computed while it
+queued) or less (blocks evicted since). Without ``on_schedule``, a request's loads
+start when it is first scheduled (None) or as submitted. ``on_first_token`` and
+``on_finish`` receive the request when those happen.
 """
 
 from __future__ import annotations
@@ -51,6 +56,8 @@ class EngineRequest:
     finish_ms: float = -1.0
     queued_ms: float = 0.0
     """Time from arrival until its first prefill chunk was computed."""
+    scheduled: bool = False
+    """It has had prefill budget once (``on_schedule`` ran for it)."""
     extra: dict[str, Any] = field(default_factory=dict)
 
 
@@ -156,13 +163,15 @@ class Engine:
                 break
             if r.arrival_ms > t:
                 continue
-            if r.load_ready_ms is None:
-                if self.on_schedule is None:
-                    r.load_ready_ms = t
-                else:
+            if not r.scheduled:
+                r.scheduled = True
+                if self.on_schedule is not None:
                     r.load_ready_ms, cached = self.on_schedule(r, t)
                     r.cached_tokens = min(cached, r.prompt_tokens - 1)
                     r.next_position = r.cached_tokens
+                elif r.load_ready_ms is None:
+                    r.load_ready_ms = t
+            assert r.load_ready_ms is not None
             if r.load_ready_ms > t and not self.blocking_loads:
                 continue
             n = min(budget, r.prompt_tokens - r.next_position)

@@ -156,3 +156,31 @@ def test_blocking_loads_are_retrieves_one_after_another_each_reads_then_copies()
     # Blocks already in host memory take the copy once (no storage read to stage).
     in_dram = ttft(1e9, tier="dram")
     assert in_dram[0] == pytest.approx(2 * copy_ms, rel=0.05)
+
+
+def test_a_prewarmed_request_uses_the_prefix_an_earlier_one_computed_while_it_queued() -> None:
+    """A burst of requests with one prompt: the first computes it, the others arrive
+    while it does (nothing of theirs is cached at arrival) and are first scheduled
+    after its first token. The engine looks them up when it schedules them, as vLLM's
+    scheduler does, so they reuse its blocks, with their loads started at arrival
+    (prewarm) as with loads started at scheduling."""
+    executor = SimulatedExecutor(capacity_blocks={"hbm": 1_000})
+    chunk = executor.profile.model.prefill_chunk_tokens
+    prompt = 2 * chunk  # the first request's prefill fills two whole steps
+    blocks = tuple(range(prompt // executor.block_size_tokens))
+    requests = [SimRequest(float(i), blocks, prompt, 8) for i in range(3)]
+    result = run_requests(requests, executor, on_arrival=_store_all(executor, requests))
+    # One prefill of the prompt, then a token each for the two others.
+    assert result.computed_tokens == prompt + 2
+    assert result.hit_blocks_by_tier[0] == 2 * len(blocks)
+    # Queued behind the first prefill, then one step: not a second prefill of the prompt.
+    assert np.all(result.ttft_ms[1:] < 1.2 * result.ttft_ms[0])
+
+    held = SimulatedExecutor(capacity_blocks={"hbm": 1_000})
+    released = run_requests(
+        requests,
+        held,
+        on_arrival=lambda i, t: None,
+        release=_store_all(held, requests),
+    )
+    assert released.computed_tokens == result.computed_tokens
