@@ -120,6 +120,10 @@ def run_requests(
     totals = {"accesses": 0, "prompt": 0, "output": 0, "computed": 0, "done": 0,
               "evicted_prefix": 0}  # fmt: skip
 
+    # Prewarm: where each cached prefix block of a request not yet scheduled was after
+    # its own decisions at arrival (``still_cached``, read by ``relookup``).
+    arrival_tiers: dict[int, list[int]] = {}
+
     def lookup(i: int) -> int:
         """What request i finds cached (before its own decisions apply): counts its
         hits and returns its cached prompt tokens."""
@@ -135,21 +139,21 @@ def run_requests(
             hit_tokens[t] += min(block_tokens, req.prompt_tokens - k * block_tokens)
         return cached
 
-    def still_cached(i: int, cached: int) -> int:
+    def still_cached(i: int, cached: int, prewarm: bool = False) -> int:
         """After request i's own decisions applied: its usable prefix ends at the first
         block they (or a prefetch round right after) moved out of every tier; the rest is
-        computed. Returns the cached prompt tokens left."""
+        computed. Returns the cached prompt tokens left. ``prewarm``: keep where its
+        prefix blocks are now, for ``relookup`` when the engine schedules it."""
         n = first_miss_of[i]
-        k = executor.cached_prefix(requests[i].blocks[:n])[0]
+        k, tiers = executor.cached_prefix(requests[i].blocks[:n])
+        if prewarm:
+            arrival_tiers[i] = tiers
         if k == n:
             return cached
         first_miss_of[i] = k
         totals["evicted_prefix"] += n - k
         return min(k * block_tokens, requests[i].prompt_tokens)
 
-    # Prewarm: where each cached prefix block of a request not yet scheduled was after
-    # its arrival's loads (``relookup``).
-    arrival_tiers: dict[int, list[int]] = {}
     # Blocking loads: [end of the previous retrieve, latest read landed so far].
     retrieve = [0.0, 0.0]
 
@@ -179,11 +183,12 @@ def run_requests(
             release(i, now_ms)
             cached = still_cached(i, cached)
             return load(i, now_ms, from_storage[i]), cached
-        return relookup(i, r, now_ms)
+        return relookup(r, now_ms)
 
-    def relookup(i: int, r: EngineRequest, now_ms: float) -> tuple[float, int]:
+    def relookup(r: EngineRequest, now_ms: float) -> tuple[float, int]:
         """A prewarmed request first scheduled: its loads started at arrival; what is
         cached of its prompt now (see the module docstring)."""
+        i = r.key
         req = requests[i]
         assert r.load_ready_ms is not None
         ready, n = r.load_ready_ms, first_miss_of[i]
@@ -258,9 +263,8 @@ def run_requests(
         if release is None:
             cached = lookup(i)
             on_arrival(i, t)
-            cached = still_cached(i, cached)
+            cached = still_cached(i, cached, prewarm=True)
             load_ready: float | None = load(i, t, from_storage[i])
-            arrival_tiers[i] = executor.cached_prefix(req.blocks[: first_miss_of[i]])[1]
         else:
             on_arrival(i, t)
             load_ready, cached = None, 0
