@@ -33,6 +33,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from executor.sim.profile import Profile, load_profile
 from features.annotate import access_arrays
 from features.events import BlocksAccessed
@@ -411,8 +413,11 @@ def tiered_rows(
     """The tiered table of one setting from its replays (``submit_tiered``'s order):
     each row with its TTFT and throughput change against both baselines."""
     rows: list[dict[str, Any]] = []
+    lru_prewarm = next((r for r in results[2:] if r.policy == "lru" and r.prewarm), None)
     for r in results:
         row = r.to_dict()
+        if lru_prewarm is not None and r is not lru_prewarm:
+            row["paired_vs_lru_prewarm"] = paired_ttft(r.ttft_ms, lru_prewarm.ttft_ms)
         row["capacity"] = fraction
         row["hbm_capacity_blocks"] = setup.hbm_capacity_blocks
         for base, suffix in ((results[1], ""), (results[0], "_vs_no_cache")):
@@ -427,6 +432,28 @@ def tiered_rows(
         if ttft is not None:
             ttft[f"{r.policy}@{fraction:g}"] = r.ttft_ms
     return rows
+
+
+PAIRED_TOLERANCE = 0.01
+"""A request is faster or slower than under another policy when its TTFT differs by
+more than this share."""
+
+
+def paired_ttft(ttft_ms: np.ndarray, base_ms: np.ndarray) -> dict[str, float]:
+    """Request by request against ``base_ms`` (the same requests, same order, under
+    another policy): how many are faster and slower by more than ``PAIRED_TOLERANCE``,
+    and the change of the mean TTFT. What the percentiles hide: a p50 that moves
+    because a few requests crossed a gap in the CDF, or a mean carried by a tail."""
+    if len(ttft_ms) != len(base_ms) or len(base_ms) == 0:
+        return {}
+    a = np.asarray(ttft_ms, dtype=np.float64)
+    b = np.asarray(base_ms, dtype=np.float64)
+    base_mean = float(b.mean())
+    return {
+        "faster": int((a < b * (1 - PAIRED_TOLERANCE)).sum()),
+        "slower": int((a > b * (1 + PAIRED_TOLERANCE)).sum()),
+        "mean_change": float(a.mean()) / base_mean - 1 if base_mean else float("nan"),
+    }
 
 
 def _single_tier_job(

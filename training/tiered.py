@@ -43,6 +43,7 @@ from serving.decisions import DecisionMaker, SimulatedExecutorSink
 from serving.loop import Sidecar
 from serving.placement import Placement
 from serving.planner import Move, Planner, PlannerParams
+from training.metrics import harrell_davis_median
 from training.replay import time_scale_for_load
 
 log = logging.getLogger(__name__)
@@ -117,10 +118,11 @@ class TieredResult:
     def ttft_percentiles(self) -> dict[str, float]:
         if self.ttft_ms.size == 0:
             nan = float("nan")
-            return {"p50": nan, "p90": nan, "p99": nan, "mean": nan}
+            return {"p50": nan, "p90": nan, "p99": nan, "mean": nan, "p50_hd": nan}
         p50, p90, p99 = np.percentile(self.ttft_ms, [50, 90, 99])
         return {
             "p50": float(p50),
+            "p50_hd": harrell_davis_median(self.ttft_ms),
             "p90": float(p90),
             "p99": float(p99),
             "mean": float(self.ttft_ms.mean()),

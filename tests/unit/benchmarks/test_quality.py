@@ -81,11 +81,14 @@ def test_unknown_workload_is_refused_with_the_valid_names():
     assert out.exit_code != 0 and "sharedprefix" in out.output
 
 
-def _tiered_row(policy: str, capacity: float, p50_ms: float, change: float) -> dict:
+def _tiered_row(
+    policy: str, capacity: float, p50_ms: float, change: float, hd_ms: float | None = None
+) -> dict:
+    hd = p50_ms if hd_ms is None else hd_ms
     return {
         "policy": policy,
         "capacity": capacity,
-        "ttft_ms": {"p50": p50_ms},
+        "ttft_ms": {"p50": p50_ms, "p50_hd": hd, "mean": 2 * hd},
         "ttft_p50_change": change,
     }
 
@@ -102,7 +105,7 @@ def test_the_tiered_summary_finds_the_worst_ratio_to_lru_with_prewarm():
         "scan": [
             _tiered_row("no_prewarm", 0.05, 1000, 0.0),
             _tiered_row("lru", 0.05, 800, -0.20),
-            _tiered_row("lightgbm", 0.05, 840, -0.16),  # 1.05x: the worst, unsafe
+            _tiered_row("lightgbm", 0.05, 840, -0.16, hd_ms=808),  # 1.05x: the worst, unsafe
         ],
     }
     summary = summarize_tiered(results, ("lru", "lightgbm"))
@@ -114,4 +117,10 @@ def test_the_tiered_summary_finds_the_worst_ratio_to_lru_with_prewarm():
     assert learned["num_settings"] == 2 and "lru" not in summary
     table = markdown_tiered(results, summary)
     assert "| scan | 5% | 1.00 s | -20.0% | -16.0% |" in table
-    assert "| lightgbm | 1.050x (scan @ 5%) | 1 of 2 settings |" in table
+    # The smoothed median and the mean are reported beside it, not in its place.
+    assert learned["worst_hd_p50_ratio_to_lru_prewarm"] == pytest.approx(1.01)
+    assert learned["worst_hd_at"] == "scan @ 5%"
+    assert (
+        "| lightgbm | 1.050x (scan @ 5%) | 1.010x (scan @ 5%) | 1.010x (scan @ 5%) "
+        "| 1 of 2 settings |" in table
+    )

@@ -80,3 +80,30 @@ def test_names_and_durations():
     with pytest.raises(click.BadParameter, match="no unit"):
         parse_duration_ms("45000")  # a bare number is refused, not read as ms
     assert parse_duration_ms("1.5s") == 1_500
+
+
+def test_the_harrell_davis_median_moves_smoothly_where_the_sample_median_jumps():
+    from training.metrics import harrell_davis_median
+
+    # Symmetric samples: both estimates are the middle.
+    assert harrell_davis_median(np.arange(1.0, 102.0)) == pytest.approx(51.0)
+    assert np.isnan(harrell_davis_median(np.array([])))
+    # 673 TTFTs with a 100 ms gap at the middle: one request crossing it moves the
+    # sample median across the whole gap, the Harrell-Davis median by a small part of it.
+    rng = np.random.default_rng(0)
+    low, high = rng.uniform(3000, 4000, 337), rng.uniform(4100, 5000, 336)
+    before = np.concatenate([low, high])
+    after = np.concatenate([np.sort(low)[:-1], [4990.0], high])
+    jump = np.median(after) - np.median(before)
+    smooth = harrell_davis_median(after) - harrell_davis_median(before)
+    assert jump > 100 and 0 < smooth < jump / 4
+
+
+def test_paired_ttft_counts_requests_faster_and_slower_than_the_base():
+    from training.report import paired_ttft
+
+    base = np.array([100.0, 100.0, 100.0, 100.0])
+    got = paired_ttft(np.array([50.0, 100.5, 130.0, 100.0]), base)
+    assert got["faster"] == 1 and got["slower"] == 1  # 100.5 is within 1%
+    assert got["mean_change"] == pytest.approx(380.5 / 400 - 1)
+    assert paired_ttft(np.array([1.0]), base) == {}
