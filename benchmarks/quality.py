@@ -26,7 +26,9 @@ loads at scheduling), LRU with prewarm, and every kvwarm policy with prewarm and
 speculative prefetch. The tiered summary per policy: the worst TTFT p50 ratio to LRU
 with prewarm over every workload and capacity (the safety goal: <= 1.02), the worst
 ratios of the Harrell-Davis median and of the mean beside it (a sample p50 of a few
-hundred requests jumps across gaps in the CDF: see ``training.metrics``), and the
+hundred requests jumps across gaps in the CDF: see ``training.metrics``), a paired
+bootstrap 95% interval of the worst p50 ratio (``training.report.p50_ratio_interval``),
+and the
 settings where the policy's prediction adds to what prewarming at arrival gives.
 
 Writes ``results.json``, ``summary.md`` (the README table) and ``quality.png``.
@@ -208,8 +210,10 @@ def markdown_tiered(results: dict[str, list[dict[str, Any]]], summary: dict[str,
         "|---|---|---|---|---|",
     ]
     for name, s in summary.items():
+        ci = s.get("paired_at_worst", {}).get("p50_ratio_ci95")
+        ci_text = f"; 95% CI {ci[0]:.3f}-{ci[1]:.3f}" if ci and np.isfinite(ci).all() else ""
         lines.append(
-            f"| {name} | {s['worst_ttft_ratio_to_lru_prewarm']:.3f}x ({s['worst_at']}) | "
+            f"| {name} | {s['worst_ttft_ratio_to_lru_prewarm']:.3f}x ({s['worst_at']}{ci_text}) | "
             f"{_worst(s, 'worst_hd_p50_ratio_to_lru_prewarm', 'worst_hd_at')} | "
             f"{_worst(s, 'worst_mean_ratio_to_lru_prewarm', 'worst_mean_at')} | "
             f"{len(s['better_than_lru_prewarm_at'])} of {s['num_settings']} settings |"

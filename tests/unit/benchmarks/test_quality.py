@@ -105,7 +105,10 @@ def test_the_tiered_summary_finds_the_worst_ratio_to_lru_with_prewarm():
         "scan": [
             _tiered_row("no_prewarm", 0.05, 1000, 0.0),
             _tiered_row("lru", 0.05, 800, -0.20),
-            _tiered_row("lightgbm", 0.05, 840, -0.16, hd_ms=808),  # 1.05x: the worst, unsafe
+            {
+                **_tiered_row("lightgbm", 0.05, 840, -0.16, hd_ms=808),  # 1.05x: the worst
+                "paired_vs_lru_prewarm": {"p50_ratio_ci95": [0.98, 1.07]},
+            },
         ],
     }
     summary = summarize_tiered(results, ("lru", "lightgbm"))
@@ -121,6 +124,7 @@ def test_the_tiered_summary_finds_the_worst_ratio_to_lru_with_prewarm():
     assert learned["worst_hd_p50_ratio_to_lru_prewarm"] == pytest.approx(1.01)
     assert learned["worst_hd_at"] == "scan @ 5%"
     assert (
-        "| lightgbm | 1.050x (scan @ 5%) | 1.010x (scan @ 5%) | 1.010x (scan @ 5%) "
+        "| lightgbm | 1.050x (scan @ 5%; 95% CI 0.980-1.070) | 1.010x (scan @ 5%) "
+        "| 1.010x (scan @ 5%) "
         "| 1 of 2 settings |" in table
     )

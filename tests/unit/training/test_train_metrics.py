@@ -107,3 +107,24 @@ def test_paired_ttft_counts_requests_faster_and_slower_than_the_base():
     assert got["faster"] == 1 and got["slower"] == 1  # 100.5 is within 1%
     assert got["mean_change"] == pytest.approx(380.5 / 400 - 1)
     assert paired_ttft(np.array([1.0]), base) == {}
+
+
+def test_the_p50_ratio_interval_spans_one_for_a_crossing_and_not_for_a_real_shift():
+    from training.report import p50_ratio_interval
+
+    rng = np.random.default_rng(1)
+    base = np.concatenate([rng.uniform(3000, 4000, 337), rng.uniform(4100, 5000, 336)])
+    same = p50_ratio_interval(base, base)
+    assert same == (1.0, 1.0)
+    # Two requests just below the gap moved above it: the p50 jumps by ~2.5%...
+    crossed = base.copy()
+    crossed[np.argsort(base)[335:337]] = 4990.0
+    assert np.median(crossed) / np.median(base) > 1.02
+    lo, hi = p50_ratio_interval(crossed, base)
+    assert lo <= 1.0 < 1.02 < hi  # ...and the interval says 673 requests cannot tell
+    # Every request 10% slower: the interval is tight around 1.1.
+    lo, hi = p50_ratio_interval(base * 1.1, base)
+    assert lo == pytest.approx(1.1) and hi == pytest.approx(1.1)
+    # Seeded: the same inputs give the same interval; chunks do not change it.
+    assert p50_ratio_interval(crossed, base) == p50_ratio_interval(crossed, base)
+    assert np.isnan(p50_ratio_interval(base, base[:10])[0])
