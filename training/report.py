@@ -27,6 +27,7 @@ import copy
 import functools
 import hashlib
 import logging
+import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -580,7 +581,7 @@ def format_tiered(report: ComparisonReport) -> str:
         return ""
     lines = [
         "Tiered with prefetch: TTFT (ms) and throughput vs no prewarm (and vs no external cache)",
-        f"{'capacity':>8} {'policy':>11} {'p50':>7} {'p90':>7} {'p99':>7} {'p50 chg':>8} {'req/s':>6} {'thr chg':>8} {'p50 v nc':>8} {'thr v nc':>8} {'hbm hit':>8} {'dram hit':>8} {'pf prec':>7}",
+        f"{'capacity':>8} {'policy':>11} {'p50':>7} {'p90':>7} {'p99':>7} {'p50 chg':>8} {'req/s':>6} {'thr chg':>8} {'p50 v nc':>8} {'thr v nc':>8} {'hbm hit':>8} {'dram hit':>8} {'pf prec':>7} {'p50/lru+pw, 95%':>15}",
     ]
     for row in report.tiered:
         t = row["ttft_ms"]
@@ -591,6 +592,14 @@ def format_tiered(report: ComparisonReport) -> str:
             f"{fmt_number(_pct(row['throughput_change']), '>+7.1f')}% "
             f"{fmt_number(_pct(row['ttft_p50_change_vs_no_cache']), '>+7.1f')}% "
             f"{fmt_number(_pct(row['throughput_change_vs_no_cache']), '>+7.1f')}% "
-            f"{hits.get('hbm', 0):>8.3f} {hits.get('dram', 0):>8.3f} {fmt_number(row['prefetch_precision'], '>7.2f')}"
+            f"{hits.get('hbm', 0):>8.3f} {hits.get('dram', 0):>8.3f} {fmt_number(row['prefetch_precision'], '>7.2f')} "
+            f"{_interval(row.get('paired_vs_lru_prewarm', {}).get('p50_ratio_ci95')):>15}"
         )
     return "\n".join(lines)
+
+
+def _interval(bounds: Sequence[float] | None) -> str:
+    """``0.912-0.986``; ``-`` where there is none (LRU with prewarm itself)."""
+    if not bounds or not all(math.isfinite(b) for b in bounds):
+        return "-"
+    return f"{bounds[0]:.3f}-{bounds[1]:.3f}"

@@ -155,3 +155,25 @@ def test_tiered_replay_is_deterministic(tiered_inputs):
     a = replay_tiered(_warm("prefix_lru", train), test, setup)
     b = replay_tiered(_warm("prefix_lru", train), test, setup)
     assert np.array_equal(a.ttft_ms, b.ttft_ms) and a.moves_by_kind == b.moves_by_kind
+
+
+def test_the_tiered_table_pairs_each_policy_with_lru_prewarm_and_prints_the_interval(
+    tiered_inputs,
+):
+    from training.report import ComparisonReport, format_tiered, tiered_rows
+
+    train, test, setup, future = tiered_inputs
+    cold = replay_tiered(_warm("lru", train), test, setup, prewarm=False, speculative=False)
+    warm = replay_tiered(_warm("lru", train), test, setup)
+    oracle = replay_tiered(_warm("oracle", train, future), test, setup)
+    rows = tiered_rows([cold, cold, warm, oracle], setup, fraction=0.02)
+    assert "paired_vs_lru_prewarm" not in rows[2]  # LRU with prewarm is the base
+    paired = rows[3]["paired_vs_lru_prewarm"]
+    assert paired["faster"] + paired["slower"] <= len(test)
+    lo, hi = paired["p50_ratio_ci95"]
+    ratio = rows[3]["ttft_ms"]["p50"] / rows[2]["ttft_ms"]["p50"]
+    assert lo <= hi and lo <= ratio * 1.05 and ratio <= hi * 1.05
+    table = format_tiered(ComparisonReport(config={}, trace={}, tiered=rows))
+    oracle_line = next(line for line in table.splitlines() if " oracle " in line)
+    assert oracle_line.endswith(f"{lo:.3f}-{hi:.3f}")
+    assert table.splitlines()[4].endswith(" -")  # the base row has no interval
