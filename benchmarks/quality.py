@@ -49,6 +49,7 @@ import numpy as np
 from features.events import BlocksAccessed
 from serving.planner import DEFAULT_EVICT_AHEAD_VISITS
 from training.replay_cli import EVICT_AHEAD_OPTION
+from training.report import format_interval
 
 GENERATED = ("chat", "rag", "agent", "mixed", "sharedprefix", "diurnal", "scan")
 WORKLOADS = ("shared", *GENERATED)
@@ -140,38 +141,33 @@ def summarize_tiered(
     for name in policies:
         if name == "lru":
             continue
-        worst: tuple[float, str] = (-math.inf, "")
-        worst_hd: tuple[float, str] = (-math.inf, "")
-        worst_mean: tuple[float, str] = (-math.inf, "")
+        # The worst ratio to LRU with prewarm of each statistic, and where.
+        worst = {key: (-math.inf, "") for key in ("p50", "p50_hd", "mean")}
         better: list[str] = []
         settings = 0
         paired_at_worst: dict[str, Any] = {}
         for workload, cap, at in tiered_settings(results):
             if name not in at or "lru" not in at:
                 continue
-            ratio = _ratio(at[name]["ttft_ms"], at["lru"]["ttft_ms"], "p50")
             settings += 1
             where = f"{workload} @ {cap * 100:g}%"
-            if np.isfinite(ratio) and ratio > worst[0]:
-                worst = (ratio, where)
-                paired_at_worst = at[name].get("paired_vs_lru_prewarm", {})
-            if np.isfinite(ratio) and ratio < 0.99:
-                better.append(where)
-            hd = _ratio(at[name]["ttft_ms"], at["lru"]["ttft_ms"], "p50_hd")
-            if np.isfinite(hd) and hd > worst_hd[0]:
-                worst_hd = (hd, where)
-            mean = _ratio(at[name]["ttft_ms"], at["lru"]["ttft_ms"], "mean")
-            if np.isfinite(mean) and mean > worst_mean[0]:
-                worst_mean = (mean, where)
+            for key in worst:
+                ratio = _ratio(at[name]["ttft_ms"], at["lru"]["ttft_ms"], key)
+                if np.isfinite(ratio) and ratio > worst[key][0]:
+                    worst[key] = (ratio, where)
+                    if key == "p50":
+                        paired_at_worst = at[name].get("paired_vs_lru_prewarm", {})
+                if key == "p50" and np.isfinite(ratio) and ratio < 0.99:
+                    better.append(where)
         out[name] = {
-            "worst_ttft_ratio_to_lru_prewarm": worst[0],
-            "worst_at": worst[1],
-            "safe": worst[0] <= TIERED_SAFETY_RATIO,
+            "worst_ttft_ratio_to_lru_prewarm": worst["p50"][0],
+            "worst_at": worst["p50"][1],
+            "safe": worst["p50"][0] <= TIERED_SAFETY_RATIO,
             "paired_at_worst": paired_at_worst,
-            "worst_hd_p50_ratio_to_lru_prewarm": worst_hd[0],
-            "worst_hd_at": worst_hd[1],
-            "worst_mean_ratio_to_lru_prewarm": worst_mean[0],
-            "worst_mean_at": worst_mean[1],
+            "worst_hd_p50_ratio_to_lru_prewarm": worst["p50_hd"][0],
+            "worst_hd_at": worst["p50_hd"][1],
+            "worst_mean_ratio_to_lru_prewarm": worst["mean"][0],
+            "worst_mean_at": worst["mean"][1],
             "better_than_lru_prewarm_at": better,
             "num_settings": settings,
         }
@@ -210,8 +206,8 @@ def markdown_tiered(results: dict[str, list[dict[str, Any]]], summary: dict[str,
         "|---|---|---|---|---|",
     ]
     for name, s in summary.items():
-        ci = s.get("paired_at_worst", {}).get("p50_ratio_ci95")
-        ci_text = f"; 95% CI {ci[0]:.3f}-{ci[1]:.3f}" if ci and np.isfinite(ci).all() else ""
+        ci = format_interval(s.get("paired_at_worst", {}).get("p50_ratio_ci95"), empty="")
+        ci_text = f"; 95% CI {ci}" if ci else ""
         lines.append(
             f"| {name} | {s['worst_ttft_ratio_to_lru_prewarm']:.3f}x ({s['worst_at']}{ci_text}) | "
             f"{_worst(s, 'worst_hd_p50_ratio_to_lru_prewarm', 'worst_hd_at')} | "

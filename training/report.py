@@ -415,16 +415,19 @@ def tiered_rows(
     each row with its TTFT and throughput change against both baselines."""
     rows: list[dict[str, Any]] = []
     lru_prewarm = next((r for r in results[2:] if r.policy == "lru" and r.prewarm), None)
-    for r in results:
-        row = r.to_dict()
+    as_dicts = [r.to_dict() for r in results]  # percentiles once per replay
+    for r, row in zip(results, as_dicts, strict=True):
         if lru_prewarm is not None and r is not lru_prewarm:
             row["paired_vs_lru_prewarm"] = paired_ttft(r.ttft_ms, lru_prewarm.ttft_ms)
         row["capacity"] = fraction
         row["hbm_capacity_blocks"] = setup.hbm_capacity_blocks
-        for base, suffix in ((results[1], ""), (results[0], "_vs_no_cache")):
-            p50 = base.ttft_percentiles()["p50"]
+        for base, base_row, suffix in (
+            (results[1], as_dicts[1], ""),
+            (results[0], as_dicts[0], "_vs_no_cache"),
+        ):
+            p50 = base_row["ttft_ms"]["p50"]
             row[f"ttft_p50_change{suffix}"] = (
-                r.ttft_percentiles()["p50"] / p50 - 1 if p50 else float("nan")
+                row["ttft_ms"]["p50"] / p50 - 1 if p50 else float("nan")
             )
             row[f"throughput_change{suffix}"] = (
                 r.throughput_rps / base.throughput_rps - 1 if base.throughput_rps else float("nan")
@@ -593,13 +596,13 @@ def format_tiered(report: ComparisonReport) -> str:
             f"{fmt_number(_pct(row['ttft_p50_change_vs_no_cache']), '>+7.1f')}% "
             f"{fmt_number(_pct(row['throughput_change_vs_no_cache']), '>+7.1f')}% "
             f"{hits.get('hbm', 0):>8.3f} {hits.get('dram', 0):>8.3f} {fmt_number(row['prefetch_precision'], '>7.2f')} "
-            f"{_interval(row.get('paired_vs_lru_prewarm', {}).get('p50_ratio_ci95')):>15}"
+            f"{format_interval(row.get('paired_vs_lru_prewarm', {}).get('p50_ratio_ci95')):>15}"
         )
     return "\n".join(lines)
 
 
-def _interval(bounds: Sequence[float] | None) -> str:
-    """``0.912-0.986``; ``-`` where there is none (LRU with prewarm itself)."""
+def format_interval(bounds: Sequence[float] | None, empty: str = "-") -> str:
+    """``0.912-0.986``; ``empty`` where there is none (LRU with prewarm itself)."""
     if not bounds or not all(math.isfinite(b) for b in bounds):
-        return "-"
+        return empty
     return f"{bounds[0]:.3f}-{bounds[1]:.3f}"
