@@ -245,25 +245,39 @@ def best_peer(row: dict[str, Any]) -> tuple[str, float] | None:
 
 def summarize(results: dict[str, list[dict[str, Any]]], policies: Sequence[str]) -> dict[str, Any]:
     """Per kvwarm policy: worst difference to exact LRU, mean gap closed, workloads
-    where it beats the best peer at every capacity."""
+    where it beats the best peer at every capacity, and each setting where it does not
+    (``not_beaten_at``: the policy's and the best peer's hit ratios, ``tie`` when they
+    are equal, as when a guard serving exact LRU meets libCacheSim's LRU)."""
     out: dict[str, Any] = {}
     for name in policies:
         worst: tuple[float, str] = (math.inf, "")
         gaps: list[float] = []
         wins: list[str] = []
+        not_beaten: list[dict[str, Any]] = []
         for workload, rows in results.items():
             beats_all = bool(rows)
             for row in rows:
                 value = row["policies"][name]
+                where = f"{workload} @ {row['capacity'] * 100:g}%"
                 diff = value - row["references"]["lru_exact"]
                 if diff < worst[0]:
-                    worst = (diff, f"{workload} @ {row['capacity'] * 100:g}%")
+                    worst = (diff, where)
                 gap = row["gap_closed"].get(name)
                 if gap is not None and np.isfinite(gap):
                     gaps.append(float(gap))
                 peer = best_peer(row)
                 if peer is None or value <= peer[1]:
                     beats_all = False
+                if peer is not None and value <= peer[1]:
+                    not_beaten.append(
+                        {
+                            "at": where,
+                            "hit_ratio": value,
+                            "peer": peer[0],
+                            "peer_hit_ratio": peer[1],
+                            "tie": math.isclose(value, peer[1], rel_tol=0.0, abs_tol=1e-12),
+                        }
+                    )
             if beats_all:
                 wins.append(workload)
         out[name] = {
@@ -272,9 +286,23 @@ def summarize(results: dict[str, list[dict[str, Any]]], policies: Sequence[str])
             "safe": worst[0] >= -SAFETY_TOLERANCE,
             "mean_gap_closed": float(np.mean(gaps)) if gaps else float("nan"),
             "beats_best_peer_on": wins,
+            "not_beaten_at": not_beaten,
             "num_workloads": len(results),
         }
     return out
+
+
+def _not_beaten_text(entries: Sequence[dict[str, Any]]) -> str:
+    """``summarize``'s ``not_beaten_at`` as one table cell."""
+    parts = []
+    for e in entries:
+        if e["tie"]:
+            parts.append(f"{e['at']}: {e['hit_ratio']:.4f}, a tie with {e['peer']}")
+        else:
+            parts.append(
+                f"{e['at']}: {e['hit_ratio']:.4f} against {e['peer']} {e['peer_hit_ratio']:.4f}"
+            )
+    return "; ".join(parts) or "-"
 
 
 def markdown(results: dict[str, list[dict[str, Any]]], summary: dict[str, Any]) -> str:
@@ -298,14 +326,16 @@ def markdown(results: dict[str, list[dict[str, Any]]], summary: dict[str, Any]) 
             )
     lines += [
         "",
-        "| policy | worst vs LRU exact (where) | mean gap closed | beats best peer at every capacity |",
-        "|---|---|---|---|",
+        "| policy | worst vs LRU exact (where) | mean gap closed "
+        "| beats best peer at every capacity | where not |",
+        "|---|---|---|---|---|",
     ]
     for name, s in summary.items():
         lines.append(
             f"| {name} | {s['worst_diff_to_lru']:+.4f} ({s['worst_at']}) | "
             f"{s['mean_gap_closed'] * 100:.0f}% | {len(s['beats_best_peer_on'])} of "
-            f"{s['num_workloads']} ({', '.join(s['beats_best_peer_on']) or '-'}) |"
+            f"{s['num_workloads']} ({', '.join(s['beats_best_peer_on']) or '-'}) | "
+            f"{_not_beaten_text(s.get('not_beaten_at', ()))} |"
         )
     return "\n".join(lines)
 

@@ -128,3 +128,35 @@ def test_the_tiered_summary_finds_the_worst_ratio_to_lru_with_prewarm():
         "| 1.010x (scan @ 5%) "
         "| 1 of 2 settings |" in table
     )
+
+
+def _peer_row(capacity: float, learned: float, peers: dict[str, float]) -> dict:
+    return {
+        "capacity": capacity,
+        "references": {"lru_exact": 0.10, "belady": 0.30, "belady_bypass": 0.30},
+        "policies": {"lightgbm": learned},
+        "gap_closed": {"lightgbm": (learned - 0.10) / 0.20},
+        "peers": {"hit_ratios": peers},
+    }
+
+
+def test_the_summary_names_each_setting_where_the_best_peer_is_not_beaten_and_marks_ties():
+    results = {
+        "chat": [
+            _peer_row(0.05, 0.20, {"LRU": 0.10, "2Q": 0.15}),  # beaten
+            _peer_row(0.10, 0.16, {"LRU": 0.10, "2Q": 0.17}),  # lost to 2Q
+        ],
+        "diurnal": [_peer_row(0.05, 0.10, {"LRU": 0.10, "ARC": 0.09})],  # a tie with LRU
+        "rag": [_peer_row(0.05, 0.12, {"LIRS": 0.11})],  # beaten everywhere
+    }
+    learned = summarize(results, ("lightgbm",))["lightgbm"]
+    assert learned["beats_best_peer_on"] == ["rag"]
+    assert [(e["at"], e["peer"], e["tie"]) for e in learned["not_beaten_at"]] == [
+        ("chat @ 10%", "2Q", False),
+        ("diurnal @ 5%", "LRU", True),
+    ]
+    table = markdown(results, {"lightgbm": learned})
+    assert (
+        "| 1 of 3 (rag) | chat @ 10%: 0.1600 against 2Q 0.1700; "
+        "diurnal @ 5%: 0.1000, a tie with LRU |" in table
+    )
