@@ -512,7 +512,10 @@ def _single_tier_job(
 def _tiered_job(
     policy: Policy, events: Sequence[BlocksAccessed], setup: TieredSetup, options: dict[str, Any]
 ) -> TieredResult:
-    return replay_tiered(policy, events, setup, **options)
+    """One tiered row's replay, with what its guard (if any) served at the end."""
+    result = replay_tiered(policy, events, setup, **options)
+    result.guard = policy.online_status().get("guard")
+    return result
 
 
 def _saved_size_bytes(policy: Policy) -> int:

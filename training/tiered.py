@@ -114,6 +114,9 @@ class TieredResult:
     every decision was applied as planned)."""
     seconds: float = 0.0
     moves_by_kind: dict[str, int] = field(default_factory=dict)
+    guard: dict[str, Any] | None = None
+    """What the online guard served at the end and its ghost estimates per scale (a
+    learned policy behind the guard; None otherwise)."""
 
     def ttft_percentiles(self) -> dict[str, float]:
         if self.ttft_ms.size == 0:
@@ -197,6 +200,7 @@ class TieredResult:
             "placement_mismatches": self.placement_mismatches,
             "seconds": self.seconds,
             "moves_by_kind": dict(self.moves_by_kind),
+            **({"guard": self.guard} if self.guard is not None else {}),
         }
 
 

@@ -177,3 +177,20 @@ def test_the_tiered_table_pairs_each_policy_with_lru_prewarm_and_prints_the_inte
     oracle_line = next(line for line in table.splitlines() if " oracle " in line)
     assert oracle_line.endswith(f"{lo:.3f}-{hi:.3f}")
     assert table.splitlines()[4].endswith(" -")  # the base row has no interval
+
+
+def test_a_tiered_row_says_what_the_guard_served_and_its_estimates_at_both_scales(
+    tiered_inputs,
+):
+    from predictor.guard import GuardedPolicy, GuardParams, memory_capacity_blocks
+    from training.report import _tiered_job
+
+    train, test, setup, _ = tiered_inputs
+    outer = memory_capacity_blocks(setup.profile.tier_names, setup.capacities_blocks())
+    params = GuardParams(capacity_blocks=setup.hbm_capacity_blocks, outer_capacity_blocks=outer)
+    guarded = GuardedPolicy(params, {"lru": _warm("lru", train), "lfu": _warm("lfu", train)})
+    row = _tiered_job(guarded, test, setup, {"label": "guarded"}).to_dict()
+    assert row["guard"]["chosen"] in ("lru", "lfu")
+    assert set(row["guard"]["estimated_hit_ratio_by_scale"]) == {"fastest", "outer"}
+    plain = _tiered_job(_warm("lru", train), test, setup, {"label": "lru"}).to_dict()
+    assert "guard" not in plain  # only a guarded policy reports one
