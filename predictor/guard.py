@@ -76,6 +76,22 @@ over from the warm-up still sent chat to LFU at 5% and 10% (0.038 and 0.051 agai
 0.006-0.007 at 5% and 10% and diurnal at 5% by 0.004, and cost chat 0.003 at 5% and
 0.015 at 10%.
 
+What the tiered suite at 2,500 requests showed (chat at seed 0, TTFT p50 1.028x LRU with
+prewarm's at HBM 1%, 95% interval 1.000-1.046): every candidate but LRU is slower than
+LRU with prewarm there, each alone and unguarded (LFU +3.6 / +1.0 / +0.9% against no
+prewarm at 1 / 5 / 10%, LRU-2 +2.7 / +1.9 / +1.0%, the model +4.0 / +3.5 / +2.6%, LRU
+with prewarm +1.1 / +0.2 / +0.8%). Guarded at 1%, the model keeps more of the
+returning blocks in HBM and fewer in DRAM than LRU, so more prefixes come from NVMe
+(prefix hits 0.023 / 0.088 / 0.099 of the accesses in HBM / DRAM / NVMe against 0.018
+/ 0.111 / 0.081). The guard ends on LRU at every capacity,
+led by its outer scale (HBM + DRAM: LRU 0.119 against the model's 0.099 at 1%), but it
+switched to the model 500 requests into its warm-up on in-sample estimates (the model's
+ghost 0.061 at the fastest scale against LRU's 0.020 on requests it was fitted on) and
+holds a choice for 500 requests. Counting every candidate's ghost hits only from the
+validation slice (ghosts still warmed on the whole training part; choice reset to LRU
+there): the same three TTFT figures within 0.5 point (+3.6 / +2.6 / +2.6%), three
+switches, LRU at the end: on the validation slice the model leads too. Not kept.
+
 Memory: at most ``ghost_blocks + 16`` entries per candidate and scale (``rate`` is
 chosen from the cache's capacity to keep it so), whatever the stream. The heuristics
 observe the same stream, so they keep one block table between them
