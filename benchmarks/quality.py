@@ -151,14 +151,14 @@ def summarize_tiered(
                 continue
             settings += 1
             where = f"{workload} @ {cap * 100:g}%"
-            for key in worst:
-                ratio = _ratio(at[name]["ttft_ms"], at["lru"]["ttft_ms"], key)
+            ratios = {key: _ratio(at[name]["ttft_ms"], at["lru"]["ttft_ms"], key) for key in worst}
+            for key, ratio in ratios.items():
                 if np.isfinite(ratio) and ratio > worst[key][0]:
                     worst[key] = (ratio, where)
-                    if key == "p50":
-                        paired_at_worst = at[name].get("paired_vs_lru_prewarm", {})
-                if key == "p50" and np.isfinite(ratio) and ratio < 0.99:
-                    better.append(where)
+            if worst["p50"][1] == where:  # this setting is the new worst p50
+                paired_at_worst = at[name].get("paired_vs_lru_prewarm", {})
+            if np.isfinite(ratios["p50"]) and ratios["p50"] < 0.99:
+                better.append(where)
         out[name] = {
             "worst_ttft_ratio_to_lru_prewarm": worst["p50"][0],
             "worst_at": worst["p50"][1],
@@ -266,9 +266,10 @@ def summarize(results: dict[str, list[dict[str, Any]]], policies: Sequence[str])
                 if gap is not None and np.isfinite(gap):
                     gaps.append(float(gap))
                 peer = best_peer(row)
-                if peer is None or value <= peer[1]:
+                if peer is None:
                     beats_all = False
-                if peer is not None and value <= peer[1]:
+                elif value <= peer[1]:
+                    beats_all = False
                     not_beaten.append(
                         {
                             "at": where,
@@ -335,7 +336,7 @@ def markdown(results: dict[str, list[dict[str, Any]]], summary: dict[str, Any]) 
             f"| {name} | {s['worst_diff_to_lru']:+.4f} ({s['worst_at']}) | "
             f"{s['mean_gap_closed'] * 100:.0f}% | {len(s['beats_best_peer_on'])} of "
             f"{s['num_workloads']} ({', '.join(s['beats_best_peer_on']) or '-'}) | "
-            f"{_not_beaten_text(s.get('not_beaten_at', ()))} |"
+            f"{_not_beaten_text(s['not_beaten_at'])} |"
         )
     return "\n".join(lines)
 

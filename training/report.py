@@ -512,10 +512,7 @@ def _single_tier_job(
 def _tiered_job(
     policy: Policy, events: Sequence[BlocksAccessed], setup: TieredSetup, options: dict[str, Any]
 ) -> TieredResult:
-    """One tiered row's replay, with what its guard (if any) served at the end."""
-    result = replay_tiered(policy, events, setup, **options)
-    result.guard = policy.online_status().get("guard")
-    return result
+    return replay_tiered(policy, events, setup, **options)
 
 
 def _saved_size_bytes(policy: Policy) -> int:

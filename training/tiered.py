@@ -430,6 +430,7 @@ def replay_tiered(
         placement_mismatches=mismatches,
         seconds=time.perf_counter() - t_wall,
         moves_by_kind=dict(sidecar.stats.moves_by_kind),
+        guard=policy.online_status().get("guard"),
     )
     if result.num_requests and result.queueing_share > QUEUEING_DOMINATES:
         log.warning(
