@@ -41,7 +41,7 @@ def _make(name: str, max_tracked_blocks: int | None) -> Any:
     from predictor.registry import make_policy
 
     if name == "guarded":
-        from predictor.guard import guarded, memory_capacity_blocks
+        from predictor.guard import guarded, memory_capacity_blocks, profile_outer_weight
         from serving.settings import SidecarSettings
 
         tiers = SidecarSettings.model_fields
@@ -51,6 +51,7 @@ def _make(name: str, max_tracked_blocks: int | None) -> Any:
             _make("lightgbm", max_tracked_blocks),
             capacities[0],
             outer_capacity_blocks=memory_capacity_blocks(names, capacities),
+            outer_weight=profile_outer_weight(names),
         )
 
     if name == "lru-uncapped":

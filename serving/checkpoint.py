@@ -92,7 +92,7 @@ STATE_FIELDS: dict[str, tuple[str, ...]] = {
         "chosen",
         "_chosen_since",
     ),
-    "_Scale": ("ghosts", "hits", "accesses"),
+    "_Scale": ("ghosts", "hits", "accesses", "num_sampled"),
     "_Ghost": ("slot", "members", "rng", "pending"),
     "_RecencyGhost": ("order",),
     # serving

@@ -37,10 +37,12 @@ worse than prewarming alone."""
 # -- the online guard (predictor.guard) ----------------------------------------------------
 GUARD_MEMORY_TIERS: Final = ("hbm", "dram")
 """Besides the fastest tier, the guard estimates at the size of the leading tiers named
-here together (``GuardParams.outer_capacity_blocks``) and judges on the mean of the two:
-in the tiered profile a block read from host DRAM costs ~0.33 ms against ~25 ms from
-NVMe, so TTFT follows what the served ranking keeps in HBM and DRAM together as well as
-in HBM. ``kvwarm bench quality --tiered``, guarded LightGBM's TTFT p50 against no
+here together (``GuardParams.outer_capacity_blocks``) and judges on both, weighed by the
+load time a hit saves (``predictor.guard.outer_weight_for``): in the tiered profile a
+block read from host DRAM costs ~0.33 ms against ~25 ms from NVMe, so TTFT follows what
+the served ranking keeps in HBM and DRAM together far more than what it keeps in HBM
+(weight 0.987 on the outer scale). Measured with the plain mean (before the weights),
+``kvwarm bench quality --tiered``, guarded LightGBM's TTFT p50 against no
 prewarm at HBM 1/5/10% judged on HBM alone / on HBM + DRAM alone / on both: shared trace
 (4,000 requests) -3.7/-1.7/-3.5%, -4.7/-3.4/-3.5%, -4.7/-3.4/-3.5% (judged on HBM alone
 the guard served LFU in about half of the prefetch rounds at 1%); sharedprefix -1.4/-1.0/-0.7%,

@@ -410,6 +410,8 @@ class Service:
         self.cache_layer: Any = None
         """An executor over a real cache layer (``--executor lmcache:...``)."""
         self._store_bytes = settings.block_size_bytes
+        self._profile: Any = None
+        """The simulated executor's timing profile (``sim:``), None otherwise."""
         self._wall_checked = False
         tier_names, capacities = self._tiers()
         self.placement = Placement(list(tier_names), list(capacities))
@@ -610,6 +612,7 @@ class Service:
                 },
             )
             self.executor, self._store_bytes = sim, sim.block_bytes
+            self._profile = profile
             return s.tier_names, caps
         if ep.scheme == "local":
             local = load_local_executor(ep.target, self._now_for_executor)
@@ -645,10 +648,12 @@ class Service:
     def _guarded(self, policy: Policy) -> Policy:
         """A learned model behind the online guard, estimating at the fastest tier's
         size and at that of the memory tiers together (``predictor.guard.
-        memory_capacity_blocks``), when ``settings.guard``; baselines unchanged."""
+        memory_capacity_blocks``), the two weighed by the load time a hit saves
+        (``profile_outer_weight``: the simulated executor's profile, else the bundled
+        one), when ``settings.guard``; baselines unchanged."""
         if not (self.settings.guard and policy.outputs_probability):
             return policy
-        from predictor.guard import guarded, memory_capacity_blocks
+        from predictor.guard import guarded, memory_capacity_blocks, profile_outer_weight
 
         placement = self.placement
         return guarded(
@@ -657,6 +662,7 @@ class Service:
             outer_capacity_blocks=memory_capacity_blocks(
                 placement.tier_names, placement.capacities
             ),
+            outer_weight=profile_outer_weight(placement.tier_names, self._profile),
         )
 
     def _now_for_executor(self) -> float:

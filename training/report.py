@@ -41,7 +41,7 @@ from features.annotate import access_arrays
 from features.events import BlocksAccessed
 from features.trace_stats import fmt_number
 from predictor.base import Policy
-from predictor.guard import GuardedPolicy, memory_capacity_blocks
+from predictor.guard import GuardedPolicy, memory_capacity_blocks, profile_outer_weight
 from predictor.learned import LearnedPolicy
 from predictor.oracle import FutureAccesses
 from predictor.registry import make_policy
@@ -176,6 +176,7 @@ def guarded_policy(
     train: Sequence[BlocksAccessed],
     outer_capacity_blocks: int | None = None,
     *,
+    outer_weight: float = 0.5,
     observe_tail: bool = True,
 ) -> GuardedPolicy:
     """``name`` behind the online guard for a fast tier of ``capacity_blocks``: the
@@ -190,11 +191,16 @@ def guarded_policy(
         n: fresh_policy(n, trained, future, warm_head, head) for n in (name, *GUARD_HEURISTICS)
     }
     guard = GuardedPolicy(
-        GuardParams(capacity_blocks=capacity_blocks, outer_capacity_blocks=outer_capacity_blocks),
+        GuardParams(
+            capacity_blocks=capacity_blocks,
+            outer_capacity_blocks=outer_capacity_blocks,
+            outer_weight=outer_weight,
+        ),
         candidates,
     )
     if observe_tail:
         guard.observe_many(tail)
+        guard.restart_estimates()
     return guard
 
 
@@ -282,10 +288,22 @@ def run_comparison(
     warm: dict[str, Policy] = {}
     warm_head: dict[str, Policy] = {}
 
-    def fresh(name: str, capacity_blocks: int, outer_capacity_blocks: int | None = None) -> Policy:
+    def fresh(
+        name: str,
+        capacity_blocks: int,
+        outer_capacity_blocks: int | None = None,
+        outer_weight: float = 0.5,
+    ) -> Policy:
         if config.guard and name in LEARNED:
             return guarded_policy(
-                name, capacity_blocks, trained, future, warm_head, train, outer_capacity_blocks
+                name,
+                capacity_blocks,
+                trained,
+                future,
+                warm_head,
+                train,
+                outer_capacity_blocks,
+                outer_weight=outer_weight,
             )
         return fresh_policy(name, trained, future, warm, train)
 
@@ -333,6 +351,7 @@ def run_comparison(
                     outer_capacity_blocks=memory_capacity_blocks(
                         setup.profile.tier_names, setup.capacities_blocks()
                     ),
+                    outer_weight=profile_outer_weight(setup.profile.tier_names, setup.profile),
                 )
                 tiered = submit_tiered(runner, make, config.policies, trace, setup)
             queued.append((fraction, capacity, single, setup, tiered))

@@ -163,6 +163,12 @@ class Profile:
     def tier_names(self) -> tuple[str, ...]:
         return tuple(t.name for t in self.tiers)
 
+    def block_read_ms(self, block_size_tokens: int | None = None) -> tuple[float, ...]:
+        """Time to read one block from each tier (fastest first), all its parallel
+        channels busy: latency + block bytes / parallel read bandwidth."""
+        size = self.model.block_bytes(block_size_tokens)
+        return tuple(t.latency_ms + size / t.read_parallel_bytes_per_s * 1e3 for t in self.tiers)
+
     def with_tier(self, name: str, **changes: Any) -> Profile:
         """A copy with some fields of one tier changed (e.g. ``capacity_bytes``)."""
         tiers = tuple(

@@ -381,3 +381,109 @@ def test_a_ghost_started_as_the_cache_starts_estimates_its_candidate_as_replayed
             assert len(ghost) <= capacity + ghost.slack
         assert replayed > 0.01  # a setting where the cache matters
         assert abs(hits / accesses - replayed) <= GHOST_FIDELITY, (name, fraction, capacity)
+
+
+def _rigged(guard: GuardedPolicy, estimates: dict[str, float], sampled: int = 10_000) -> None:
+    """Set every scale's estimates to ``estimates`` (hits over 1,000 accesses)."""
+    for scale in guard.scales.values():
+        scale.hits = {name: 1_000.0 * value for name, value in estimates.items()}
+        scale.accesses = 1_000.0
+        scale.num_sampled = sampled
+
+
+def _three(**params) -> GuardedPolicy:
+    return GuardedPolicy(
+        GuardParams(capacity_blocks=100, **params),
+        {"lru": LRUPolicy(), "lfu": LFUPolicy(), "lru2": LRU2Policy()},
+    )
+
+
+def test_the_outer_scale_weighs_by_the_load_time_a_hit_saves():
+    from executor.sim import load_profile
+    from predictor.guard import outer_weight_for, profile_outer_weight
+
+    profile = load_profile(None)
+    read = profile.block_read_ms()
+    hbm, dram, nvme = read[0], read[1], read[2]
+    assert hbm < dram < nvme
+    weight = profile_outer_weight(profile.tier_names, profile)
+    assert weight == pytest.approx((nvme - dram) / (nvme - hbm))
+    assert 0.95 < weight < 1.0  # a DRAM read is ~1% of an NVMe read
+    # No tier below the memory tiers, or tiers the profile does not time: the plain mean.
+    assert outer_weight_for([0.0, 1.0], ["hbm", "dram"]) == 0.5
+    assert outer_weight_for([0.0, 30.0], ["hbm", "nvme"]) == 0.5
+    assert profile_outer_weight(["hbm", "gpu2"], profile) == 0.5
+    guard = GuardedPolicy(
+        GuardParams(capacity_blocks=10, outer_capacity_blocks=40, outer_weight=0.9),
+        {"lru": LRUPolicy(), "lfu": LFUPolicy()},
+    )
+    guard.scales["fastest"].hits = {"lru": 100.0, "lfu": 300.0}
+    guard.scales["outer"].hits = {"lru": 500.0, "lfu": 400.0}
+    for scale in guard.scales.values():
+        scale.accesses = 1_000.0
+    est = guard.estimates()
+    assert est["lru"] == pytest.approx(0.1 * 0.1 + 0.9 * 0.5)
+    assert est["lfu"] == pytest.approx(0.1 * 0.3 + 0.9 * 0.4)
+
+
+def test_a_lead_within_the_margin_of_lru_goes_back_to_lru_not_to_the_leader():
+    guard = _three(min_requests_between_switches=0)
+    guard.chosen = "lfu"
+    # lru2 leads lfu clearly but lru by less than the margin (5% of 0.20): back to LRU.
+    _rigged(guard, {"lru": 0.200, "lfu": 0.150, "lru2": 0.205})
+    guard._maybe_switch()
+    assert guard.chosen == "lru"
+    # A clear lead over LRU too: the leader.
+    guard.chosen = "lfu"
+    _rigged(guard, {"lru": 0.200, "lfu": 0.150, "lru2": 0.250})
+    guard._maybe_switch()
+    assert guard.chosen == "lru2"
+
+
+def test_falling_back_to_lru_is_at_once_leaving_it_waits():
+    guard = _three(min_requests_between_switches=500)
+    guard.num_requests = 10_000
+    guard.chosen, guard._chosen_since = "lfu", 10_000  # just chosen
+    _rigged(guard, {"lru": 0.30, "lfu": 0.20, "lru2": 0.21})
+    guard._maybe_switch()
+    assert guard.chosen == "lru"  # behind LRU: no hysteresis
+    _rigged(guard, {"lru": 0.20, "lfu": 0.20, "lru2": 0.30})
+    guard._maybe_switch()
+    assert guard.chosen == "lru"  # LRU was chosen just now: it holds
+    guard.num_requests += 500
+    guard._maybe_switch()
+    assert guard.chosen == "lru2"
+    # Not from the just-chosen lru2 to lfu either, however clear, until it has served.
+    _rigged(guard, {"lru": 0.20, "lfu": 0.40, "lru2": 0.30})
+    guard._maybe_switch()
+    assert guard.chosen == "lru2"
+
+
+def test_every_scale_needs_its_samples_before_a_switch():
+    guard = GuardedPolicy(
+        GuardParams(capacity_blocks=10, outer_capacity_blocks=40, min_requests_between_switches=0),
+        {"lru": LRUPolicy(), "lfu": LFUPolicy()},
+    )
+    _rigged(guard, {"lru": 0.1, "lfu": 0.5})
+    guard.scales["outer"].num_sampled = guard.params.min_sampled_accesses - 1
+    guard._maybe_switch()
+    assert guard.chosen == "lru"
+    guard.scales["outer"].num_sampled += 1
+    guard._maybe_switch()
+    assert guard.chosen == "lfu"
+
+
+def test_restarting_the_estimates_serves_lru_until_new_evidence():
+    events = recency_events(num_requests=1_500)
+    guard = _three()
+    guard.observe_many(events)
+    guard.chosen = "lfu"
+    ghosts_before = {name: len(g) for name, g in guard.ghosts.items()}
+    guard.restart_estimates()
+    assert guard.chosen == "lru" and guard.num_sampled_accesses == 0
+    assert set(guard.estimates().values()) == {0.0}
+    assert {name: len(g) for name, g in guard.ghosts.items()} == ghosts_before  # kept warm
+    # Right after a restart a switch away from LRU needs min_sampled_accesses again.
+    _rigged(guard, {"lru": 0.1, "lfu": 0.5, "lru2": 0.1}, sampled=0)
+    guard._maybe_switch()
+    assert guard.chosen == "lru"

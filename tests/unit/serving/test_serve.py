@@ -332,6 +332,9 @@ def test_a_learned_model_is_served_behind_the_guard_visible_in_health_and_metric
         assert guard.params.capacity_blocks == 500
         assert guard.params.outer_capacity_blocks == 500 + 4_000  # HBM and DRAM
         health = service.health()["guard"]
+        # Judged mostly on HBM + DRAM: a DRAM read costs ~1% of an NVMe read.
+        assert 0.95 < guard.params.outer_weight < 1.0
+        assert health["outer_weight"] == guard.params.outer_weight
         assert health["chosen"] in ("lightgbm", "lru", "lfu", "lru2")
         assert set(health["estimated_hit_ratio"]) == {"lightgbm", "lru", "lfu", "lru2"}
         assert health["sampled_accesses"] > 0
