@@ -28,8 +28,9 @@ then weighs the two by the load time a hit saves (``outer_weight``, from the tie
 read times by ``outer_weight_for``: 0.987 on the outer scale with the default profile,
 where a DRAM read is 0.33 ms and an NVMe read 24.9 ms).
 
-When it switches (``_maybe_switch``): not before every scale has counted
-``min_sampled_accesses`` (2,000) sampled accesses; to another candidate when it leads
+When it switches (``_maybe_switch``): not before it has counted
+``min_sampled_accesses`` (500) sampled accesses, or, with an outer scale,
+``min_sampled_accesses_tiered`` (2,000) on every scale; to another candidate when it leads
 the serving one by both margins (``switch_margin``, ``switch_margin_relative``); but
 to LRU (``initial``, the safe one) instead whenever LRU is within those margins of the
 leader; and back to LRU at once when LRU leads the serving one, while leaving LRU, or
@@ -186,10 +187,17 @@ class GuardParams(PolicyParams):
         "estimates follow a changing workload.",
     )
     min_sampled_accesses: int = Field(
+        500,
+        ge=0,
+        description="Sampled accesses counted (since the start or ``restart_estimates``) "
+        "before a switch, with one scale (a single tier): no switching on noise.",
+    )
+    min_sampled_accesses_tiered: int = Field(
         2000,
         ge=0,
-        description="Sampled accesses every scale has counted (since the start or "
-        "``restart_estimates``) before a switch: no switching on noise.",
+        description="The same with an outer scale (tiered serving), counted by every "
+        "scale: a wrong choice there refills the memory tiers, not the fastest one alone, "
+        "and costs TTFT for longer.",
     )
     switch_margin: float = Field(
         0.005,
@@ -465,7 +473,8 @@ class GuardedPolicy(Policy):
 
     def _maybe_switch(self) -> None:
         p = self.params
-        if any(scale.num_sampled < p.min_sampled_accesses for scale in self.scales.values()):
+        needed = p.min_sampled_accesses_tiered if "outer" in self.scales else p.min_sampled_accesses
+        if any(scale.num_sampled < needed for scale in self.scales.values()):
             return
         held = self.num_requests - self._chosen_since >= p.min_requests_between_switches
         est = self.estimates()

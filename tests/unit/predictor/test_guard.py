@@ -465,10 +465,26 @@ def test_every_scale_needs_its_samples_before_a_switch():
         {"lru": LRUPolicy(), "lfu": LFUPolicy()},
     )
     _rigged(guard, {"lru": 0.1, "lfu": 0.5})
-    guard.scales["outer"].num_sampled = guard.params.min_sampled_accesses - 1
+    needed = guard.params.min_sampled_accesses_tiered
+    assert needed > guard.params.min_sampled_accesses  # tiered serving waits longer
+    guard.scales["outer"].num_sampled = needed - 1
     guard._maybe_switch()
     assert guard.chosen == "lru"
     guard.scales["outer"].num_sampled += 1
+    guard._maybe_switch()
+    assert guard.chosen == "lfu"
+
+
+def test_one_scale_switches_after_the_single_tier_minimum():
+    guard = GuardedPolicy(
+        GuardParams(capacity_blocks=10, min_requests_between_switches=0),
+        {"lru": LRUPolicy(), "lfu": LFUPolicy()},
+    )
+    _rigged(guard, {"lru": 0.1, "lfu": 0.5})
+    guard.scales["fastest"].num_sampled = guard.params.min_sampled_accesses - 1
+    guard._maybe_switch()
+    assert guard.chosen == "lru"
+    guard.scales["fastest"].num_sampled += 1
     guard._maybe_switch()
     assert guard.chosen == "lfu"
 
