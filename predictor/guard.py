@@ -44,13 +44,16 @@ makes it.
 Measured (``kvwarm bench quality --requests 2500 --no-peers --policies lru,lightgbm
 --tiered``, both halves, seeds 0-2; the rules above against the previous ones: the
 plain mean of the two scales, 500 samples, symmetric hysteresis, no restart): the
-worst TTFT p50 against LRU with prewarm went from 1.028x / 1.025x (seed 0 chat at 1%,
-seed 1 mixed at 1%) to 1.002x / 1.000x; see the README for every seed. What it costs:
-the model serves later, so where it wins it wins less (seed 0, single tier: the shared
-trace 0.056 / 0.086 / 0.111 at 1 / 5 / 10% against 0.056 / 0.095 / 0.122; diurnal ties
-LRU, 0.215 / 0.422 / 0.443, against 0.241 / 0.425 / 0.448; tiered, the shared trace
--3.1 / -1.9 / -0.6% against no prewarm instead of -4.8 / -4.0 / -3.6%). Chat at seed 0
-shows why each part is there: the weighted estimate alone moved 1% from 1.028x to
+worst TTFT p50 against LRU with prewarm went from 1.028x / 1.025x / 1.025x (seed 0 chat
+at 1%, seed 1 mixed at 1%, seed 2 chat at 5%) to 1.002x / 1.000x / 1.013x; see the
+README for every seed. What it costs: the model serves later, so where it wins it wins
+less (tiered, the shared trace -3.1 / -1.9 / -0.6% against no prewarm instead of -4.8 /
+-4.0 / -3.6%). With 2,000 samples in the single tier too, seed 0's single-tier suite
+(1,500 requests) lost the shared trace's gain at 5 / 10% (0.086 / 0.111 against 0.095 /
+0.122) and peer wins fell from 7 to 5 of 8; with 500 there (``min_sampled_accesses``)
+0.095 / 0.118 and 6 of 8 (sharedprefix at 10% lost to LIRS, 0.6475 against 0.6533; chat
+at 5% ties LRU, where the fallback is at once now), worst +0.0002 over exact LRU.
+Chat at seed 0 (tiered) shows why each part is there: the weighted estimate alone moved 1% from 1.028x to
 1.025x; with the restart too, 1.016x at 1% but 1.024x at 5% (after the restart the
 guard left LRU for LRU-2 on ~60 outer samples, then for the model, 0.0004 ahead of
 LRU); with the per-scale minimum and the preference for LRU, 1.019x at 10%; with the
