@@ -434,12 +434,17 @@ class GuardedPolicy(Policy):
             self.scales["outer"] = _Scale(
                 p.outer_capacity_blocks or 0, p.ghost_blocks, names, p.seed + len(names), recency
             )
-        self.num_sampled_accesses = 0
         self.num_requests = 0
         self.num_switches = 0
         self.chosen = p.initial
         self._chosen_since = 0
         self._decay_per_access = 0.5 ** (1.0 / p.half_life_accesses)
+
+    @property
+    def num_sampled_accesses(self) -> int:
+        """Sampled accesses the fastest scale counted since the start or
+        ``restart_estimates``."""
+        return self.scales["fastest"].num_sampled
 
     @property
     def rate(self) -> float:
@@ -471,7 +476,6 @@ class GuardedPolicy(Policy):
             if name == "fastest":
                 sampled = n
         if sampled:
-            self.num_sampled_accesses += sampled
             self._maybe_switch()
 
     def _maybe_switch(self) -> None:
@@ -505,7 +509,6 @@ class GuardedPolicy(Policy):
             scale.hits = dict.fromkeys(scale.hits, 0.0)
             scale.accesses = 0.0
             scale.num_sampled = 0
-        self.num_sampled_accesses = 0
         self.chosen = self.params.initial
         self._chosen_since = self.num_requests - self.params.min_requests_between_switches
 
@@ -584,16 +587,23 @@ def memory_capacity_blocks(
     """Blocks the guard's cache stands for: the fastest tier and the memory tiers right
     below it (``serving.defaults.GUARD_MEMORY_TIERS``: HBM and host DRAM), whose reads
     cost little next to a storage tier's."""
+    inner = _memory_tiers_below_fastest(tier_names, memory_tiers)
+    return sum(int(capacity) for capacity in capacities_blocks[: inner + 1])
+
+
+def _memory_tiers_below_fastest(tier_names: Sequence[str], memory_tiers: Sequence[str]) -> int:
+    """How many tiers right below the fastest are memory tiers (``memory_tiers``; empty:
+    ``serving.defaults.GUARD_MEMORY_TIERS``)."""
     if not memory_tiers:
         from serving.defaults import GUARD_MEMORY_TIERS
 
         memory_tiers = GUARD_MEMORY_TIERS
-    total = int(capacities_blocks[0])
-    for name, capacity in zip(tier_names[1:], capacities_blocks[1:], strict=False):
+    inner = 0
+    for name in tier_names[1:]:
         if name not in memory_tiers:
             break
-        total += int(capacity)
-    return total
+        inner += 1
+    return inner
 
 
 def outer_weight_for(
@@ -607,15 +617,7 @@ def outer_weight_for(
     (HBM, DRAM 0.33 ms, NVMe 24.9 ms a block) 0.987: what the memory tiers hold together
     decides, HBM alone breaks ties. 0.5 (the plain mean) when there is no tier below the
     memory tiers."""
-    if not memory_tiers:
-        from serving.defaults import GUARD_MEMORY_TIERS
-
-        memory_tiers = GUARD_MEMORY_TIERS
-    inner = 0
-    for i, name in enumerate(tier_names[1:], start=1):
-        if name not in memory_tiers:
-            break
-        inner = i
+    inner = _memory_tiers_below_fastest(tier_names, memory_tiers)
     if inner == 0 or inner + 1 >= len(tier_names):
         return 0.5
     fastest, memory, storage = read_ms[0], read_ms[inner], read_ms[inner + 1]

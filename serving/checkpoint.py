@@ -86,7 +86,6 @@ STATE_FIELDS: dict[str, tuple[str, ...]] = {
     "GuardedPolicy": (
         "candidates",
         "scales",
-        "num_sampled_accesses",
         "num_requests",
         "num_switches",
         "chosen",

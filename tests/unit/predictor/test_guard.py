@@ -459,32 +459,28 @@ def test_falling_back_to_lru_is_at_once_leaving_it_waits():
     assert guard.chosen == "lru2"
 
 
-def test_every_scale_needs_its_samples_before_a_switch():
+@pytest.mark.parametrize(
+    ("outer_capacity_blocks", "starved", "minimum"),
+    [
+        (40, "outer", "min_sampled_accesses_tiered"),  # every scale needs its samples
+        (None, "fastest", "min_sampled_accesses"),  # one scale: the single-tier minimum
+    ],
+)
+def test_a_switch_waits_for_each_scales_samples(outer_capacity_blocks, starved, minimum):
     guard = GuardedPolicy(
-        GuardParams(capacity_blocks=10, outer_capacity_blocks=40, min_requests_between_switches=0),
+        GuardParams(
+            capacity_blocks=10,
+            outer_capacity_blocks=outer_capacity_blocks,
+            min_requests_between_switches=0,
+        ),
         {"lru": LRUPolicy(), "lfu": LFUPolicy()},
     )
+    assert guard.params.min_sampled_accesses_tiered > guard.params.min_sampled_accesses
     _rigged(guard, {"lru": 0.1, "lfu": 0.5})
-    needed = guard.params.min_sampled_accesses_tiered
-    assert needed > guard.params.min_sampled_accesses  # tiered serving waits longer
-    guard.scales["outer"].num_sampled = needed - 1
+    guard.scales[starved].num_sampled = getattr(guard.params, minimum) - 1
     guard._maybe_switch()
     assert guard.chosen == "lru"
-    guard.scales["outer"].num_sampled += 1
-    guard._maybe_switch()
-    assert guard.chosen == "lfu"
-
-
-def test_one_scale_switches_after_the_single_tier_minimum():
-    guard = GuardedPolicy(
-        GuardParams(capacity_blocks=10, min_requests_between_switches=0),
-        {"lru": LRUPolicy(), "lfu": LFUPolicy()},
-    )
-    _rigged(guard, {"lru": 0.1, "lfu": 0.5})
-    guard.scales["fastest"].num_sampled = guard.params.min_sampled_accesses - 1
-    guard._maybe_switch()
-    assert guard.chosen == "lru"
-    guard.scales["fastest"].num_sampled += 1
+    guard.scales[starved].num_sampled += 1
     guard._maybe_switch()
     assert guard.chosen == "lfu"
 
