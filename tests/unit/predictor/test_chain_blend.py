@@ -68,6 +68,30 @@ def test_a_blend_with_bad_weights_is_refused(coef, intercept):
         ChainBlend(coef, intercept)
 
 
+def test_a_blend_equals_its_logistic_regression_written_plainly():
+    """``apply`` (one pass over both logits, clipping by maximum and minimum, the
+    sigmoid in place) gives the float32 values of the regression written with np.clip
+    and column_stack, bit for bit, extremes, NaN and blocks of no chain included."""
+    rng = np.random.default_rng(3)
+    block = rng.random(4_000).astype(np.float32)
+    chain = rng.random(4_000).astype(np.float32)
+    block[:6] = [0.0, 1.0, 1e-9, 1 - 1e-9, np.nan, 0.5]
+    chain[6:12] = [0.0, 1.0, 1e-9, 1 - 1e-9, np.nan, 0.5]
+    has = rng.random(4_000) < 0.7
+
+    def logit(p):
+        q = np.clip(np.asarray(p, dtype=np.float64), 1e-6, 1.0 - 1e-6)
+        return np.log(q / (1.0 - q))
+
+    for blend in (BLEND, ChainBlend((0.95, 0.36, 0.40), 0.28)):
+        design = np.column_stack((logit(block), np.where(has, logit(chain), 0.0), has * 1.0))
+        z = design @ np.asarray(blend.coef) + blend.intercept
+        plain = (1.0 / (1.0 + np.exp(-np.clip(z, -40.0, 40.0)))).astype(np.float32)
+        np.testing.assert_array_equal(blend.apply(block, chain, has), plain)
+        for n in (0, 1, 7):
+            np.testing.assert_array_equal(blend.apply(block[:n], chain[:n], has[:n]), plain[:n])
+
+
 def test_a_blend_round_trips_and_is_monotone_in_both_scores():
     assert ChainBlend.from_dict(json.loads(json.dumps(BLEND.to_dict()))) == BLEND
     grid = np.linspace(0.01, 0.99, 25)

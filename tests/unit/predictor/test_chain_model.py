@@ -94,8 +94,8 @@ def test_learned_policies_carry_the_chain_model_and_offer_its_candidates():
 
 
 def test_chain_features_by_column_equal_the_row_definition_and_scores_are_lightgbms(fitted):
-    """``features`` (numpy, column by column) is bit-identical to ``features_row`` (Python
-    scalars), out-of-order turns (negative think times) included; ``predict_chains``
+    """``features`` column by column (numpy, many chains) is bit-identical to
+    ``features_row`` (Python scalars, what a few chains take), out-of-order turns (negative think times) included; ``predict_chains``
     (compiled trees) equals ``Booster.predict`` within 1e-6."""
     policy, _, test = fitted
     chain = policy.fresh_copy()
@@ -108,7 +108,10 @@ def test_chain_features_by_column_equal_the_row_definition_and_scores_are_lightg
     leaves = list(chain.tracker.chains)
     now = events[-1].ts_ms + 2_500
     rows = np.array([chain.tracker.features_row(leaf, now) for leaf in leaves], np.float32)
+    assert len(leaves) > 32  # the column path, below the row path
+    np.testing.assert_array_equal(chain.tracker.features_by_column(leaves, now), rows)
     np.testing.assert_array_equal(chain.tracker.features(leaves, now), rows)
+    np.testing.assert_array_equal(chain.tracker.features(leaves[:5], now), rows[:5])
     assert chain.tracker.features([], now).shape == (0, rows.shape[1])
     expected = chain.booster.predict(rows, num_threads=1)
     got = chain.predict_chains(leaves, now)
