@@ -296,7 +296,7 @@ class _Ghost:
         size = min(num, eviction_sample * self.pending + len(blocks) + over)
         self.pending = 0
         picks = self.rng.integers(0, num, size=size).tolist()
-        sample = dict.fromkeys([members[i] for i in picks])
+        sample = dict.fromkeys(map(members.__getitem__, picks))
         candidates = [b for b in sample if b not in pinned] + stored
         if len(candidates) < over:  # more blocks in one request than room
             fresh = set(stored)

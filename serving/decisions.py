@@ -113,6 +113,9 @@ def net_moves(moves: list[Move]) -> list[Move]:
 
 _BLOCK_OF = itemgetter(0)
 
+_Shape = tuple[str, str | None, str | None, str, bool, tuple[str, str]]
+"""``DecisionMaker._shape``'s answer for one (move kind, from tier, to tier)."""
+
 
 def _one_move_a_block(moves: list[Move]) -> bool:
     return len(set(map(_BLOCK_OF, moves))) == len(moves)
@@ -258,6 +261,7 @@ class DecisionMaker:
         self.by_action_tier: Counter[tuple[str, str]] = Counter()
         """(action, tier) -> decisions; tier is to_tier, or from_tier for evict."""
         self._last_origin = "start"
+        self._shapes: dict[tuple[MoveKind, int, int], _Shape] = {}
 
     def __call__(self, event: BlocksAccessed | None, moves: list[Move], now_ms: int) -> None:
         if event is not None:
@@ -281,15 +285,18 @@ class DecisionMaker:
         (after the decisions before them are emitted, with ``emit_before_store``) and
         make no decision. Returns the decisions not yet emitted."""
         policy, version = self.model_info()
-        names = self.tier_names
         deadline = now_ms + self.deadline_ms
         out: list[Decision] = []
         seen: set[str] = set()
         made: dict[tuple[str, str], int] = {}
         planned, isfinite, blake2b = Decision.planned, math.isfinite, hashlib.blake2b
+        shapes = self._shapes
+        prefix = f"{origin}\x1f"
         for block, src, dst, score, kind in moves:
-            action = _ACTION[kind]
-            to_tier = names[dst] if dst != NOWHERE else None
+            shape = shapes.get((kind, src, dst))
+            if shape is None:
+                shape = shapes[kind, src, dst] = self._shape(kind, src, dst)
+            action, from_tier, to_tier, suffix, sound, where = shape
             if not action:
                 if self.on_store is not None and to_tier is not None:
                     if emit_before_store and out:
@@ -297,22 +304,12 @@ class DecisionMaker:
                         out = []
                     self.on_store(block, to_tier, now_ms)
                 continue
-            from_tier = names[src] if src != NOWHERE else None
-            if to_tier is None:
-                action = "evict"
             # decision_id, inline (one call less per decision).
-            key = f"{origin}\x1f{block}\x1f{action}\x1f{from_tier}\x1f{to_tier}"
-            did = blake2b(key.encode(), digest_size=12).hexdigest()
+            did = blake2b(f"{prefix}{block}{suffix}".encode(), digest_size=12).hexdigest()
             if did in seen:  # the same move twice in one round: keep ids unique
                 did = decision_id(f"{origin}#{len(seen)}", block, action, from_tier, to_tier)
             seen.add(did)
             score = float(score)
-            if action == "promote":
-                sound = src != NOWHERE and dst < src
-            elif action == "demote":
-                sound = src != NOWHERE and dst > src
-            else:  # evict: to nowhere
-                sound = True
             # What the planner makes is valid by construction (see ``Decision.planned``);
             # anything else goes through the checking constructor, which says what.
             build = planned if sound and isfinite(score) else Decision
@@ -330,11 +327,30 @@ class DecisionMaker:
                     deadline,
                 )
             )
-            where = (action, to_tier or from_tier or "")
             made[where] = made.get(where, 0) + 1
         self.by_action_tier.update(made)
         self.num_decisions += sum(made.values())
         return out
+
+    def _shape(self, kind: MoveKind, src: int, dst: int) -> _Shape:
+        """What a move of ``kind`` from tier ``src`` to ``dst`` becomes, whatever its
+        block: (action, or "" for none; from and to tier names; the decision id's text
+        after the block; whether the planner's invariants hold for it, so that
+        ``Decision.planned`` may build it; the (action, tier) it counts under)."""
+        names = self.tier_names
+        action = _ACTION[kind]
+        to_tier = names[dst] if dst != NOWHERE else None
+        from_tier = names[src] if src != NOWHERE else None
+        if action and to_tier is None:
+            action = "evict"
+        if action == "promote":
+            sound = src != NOWHERE and dst < src
+        elif action == "demote":
+            sound = src != NOWHERE and dst > src
+        else:  # evict: to nowhere
+            sound = True
+        suffix = f"\x1f{action}\x1f{from_tier}\x1f{to_tier}"
+        return action, from_tier, to_tier, suffix, sound, (action, to_tier or from_tier or "")
 
 
 # -- sinks ---------------------------------------------------------------------------------

@@ -227,12 +227,10 @@ class Sidecar:
         back, inline); the last returns its moves."""
         # Blocks of recent requests, then what the policy expects back soon beyond them.
         predicted = self.policy.prefetch_candidates(now_ms, PREDICTED_CANDIDATES).tolist()
-        recent = list(
-            dict.fromkeys(itertools.chain(itertools.chain.from_iterable(self.recent), predicted))
+        recent = dict.fromkeys(
+            itertools.chain(itertools.chain.from_iterable(self.recent), predicted)
         )
-        candidates = [
-            b for b, t in zip(recent, self.placement.tiers_of(recent), strict=True) if t > 0
-        ]
+        candidates = self.placement.placed_below(recent, 0)
         if not candidates:
             return []
         sent = yield []

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import itertools
 from collections import OrderedDict
+from collections.abc import Iterable
 
 import numpy as np
 
@@ -46,6 +47,12 @@ class Placement:
 
     def tiers_of(self, blocks: list[int]) -> list[int]:
         return list(map(self._tier.get, blocks, itertools.repeat(NOWHERE)))
+
+    def placed_below(self, blocks: Iterable[int], tier: int) -> list[int]:
+        """The ``blocks`` placed in a tier slower than ``tier``, in their order (one
+        pass, no list of every block's tier)."""
+        tier_get = self._tier.get
+        return [b for b in blocks if tier_get(b, NOWHERE) > tier]
 
     def count(self, tier: int) -> int:
         return len(self._members[tier])

@@ -234,9 +234,7 @@ class Planner:
         budget = self.params.prefetch_budget_blocks
         if budget <= 0 or not candidates:
             return []
-        lower = [
-            b for b, t in zip(candidates, placement.tiers_of(candidates), strict=True) if t > target
-        ]
+        lower = placement.placed_below(candidates, target)
         if not lower:
             return []
         lower_scores = score(np.asarray(lower, dtype=np.uint64), now_ms)
