@@ -170,7 +170,7 @@ class Placement:
             picked = list(members)
         else:
             idx = rng.integers(0, n, size=k)
-            picked = list(dict.fromkeys(members[i] for i in idx.tolist()))
+            picked = list(dict.fromkeys(map(members.__getitem__, idx.tolist())))
         if exclude:
             picked = [b for b in picked if b not in exclude]
         return picked
