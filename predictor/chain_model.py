@@ -30,6 +30,7 @@ Primitives:
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 import math
 from collections.abc import Sequence
@@ -444,8 +445,6 @@ class ChainBlend:
 
     coef: tuple[float, float, float]
     intercept: float
-    _coef: np.ndarray = field(init=False, repr=False, compare=False)
-    """``coef`` as the float64 vector ``apply`` multiplies by."""
 
     def __post_init__(self) -> None:
         values = (*self.coef, self.intercept)
@@ -456,7 +455,12 @@ class ChainBlend:
                 "a chain blend needs 3 finite coefficients and a finite intercept, "
                 f"each within +-1000; got {values!r}"
             )
-        object.__setattr__(self, "_coef", np.asarray(self.coef, dtype=np.float64))
+
+    @functools.cached_property
+    def _coef(self) -> np.ndarray:
+        """``coef`` as the float64 vector ``apply`` multiplies by (made on first use: a
+        blend unpickled from a process that never used it has none yet)."""
+        return np.asarray(self.coef, dtype=np.float64)
 
     def apply(self, block: np.ndarray, chain: np.ndarray, has_chain: np.ndarray) -> np.ndarray:
         """Blended P(reuse within H) per block (float32)."""

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import math
+import pickle
 import re
 
 import numpy as np
@@ -90,6 +91,10 @@ def test_a_blend_equals_its_logistic_regression_written_plainly():
         np.testing.assert_array_equal(blend.apply(block, chain, has), plain)
         for n in (0, 1, 7):
             np.testing.assert_array_equal(blend.apply(block[:n], chain[:n], has[:n]), plain[:n])
+        # A copy (a replay job's pickle, a state handed over) scores the same.
+        copied = pickle.loads(pickle.dumps(blend))
+        assert copied == blend
+        np.testing.assert_array_equal(copied.apply(block, chain, has), plain)
 
 
 def test_a_blend_round_trips_and_is_monotone_in_both_scores():
