@@ -300,12 +300,13 @@ class _PeerServer:
         self._stop()
 
     def _start(self) -> subprocess.Popen[str]:
+        # This checkout first on the path, not the working directory (``-P``).
         repo_root = str(Path(__file__).resolve().parents[1])
         env = dict(os.environ)
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [repo_root, env.get("PYTHONPATH")]))
         with open(self._log_path, "a") as log:
             return subprocess.Popen(
-                [sys.executable, "-m", "training.peers"],
+                [sys.executable, "-P", "-m", "training.peers"],
                 stdin=subprocess.PIPE,
                 stdout=subprocess.PIPE,
                 stderr=log,

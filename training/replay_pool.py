@@ -388,11 +388,13 @@ class _Worker:
     """One ``python -m training.replay_pool`` process and its pipes."""
 
     def __init__(self) -> None:
+        # This checkout first on the path; ``-P``: not the working directory, which
+        # ``-m`` would put before it (another checkout's ``training`` there).
         repo_root = str(Path(__file__).resolve().parents[1])
         env = dict(os.environ)
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [repo_root, env.get("PYTHONPATH")]))
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "training.replay_pool"],
+            [sys.executable, "-P", "-m", "training.replay_pool"],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             stderr=subprocess.DEVNULL,

@@ -118,6 +118,31 @@ def test_workers_killed_mid_run_leave_their_jobs_to_this_process(chat, monkeypat
     assert STATS.in_workers == done + 2
 
 
+def test_workers_import_this_checkout_whatever_the_working_directory(chat, monkeypatch, tmp_path):
+    """``python -m`` would put the working directory first on the path: a directory
+    holding another ``training`` package (another checkout) must not be what a worker
+    imports. Workers start with ``-P``."""
+    _, warm, holdout = chat
+    decoy = tmp_path / "training"
+    decoy.mkdir()
+    (decoy / "__init__.py").write_text("")
+    (decoy / "replay_pool.py").write_text("raise SystemExit('the decoy checkout was imported')\n")
+    policies = [make_policy("lfu")]
+    policies[0].observe_many(warm)
+    n = distinct_blocks(holdout)
+    capacities = [n // 20, n // 10]
+    monkeypatch.setenv(WORKERS_ENV, "1")
+    serial = replay_hit_ratios(policies, holdout, capacities)
+    for worker in list(replay_pool._WORKERS):  # fresh workers, started from tmp_path
+        worker.proc.kill()
+        worker.proc.wait()
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv(WORKERS_ENV, "2")
+    done = STATS.in_workers
+    assert replay_hit_ratios(policies, holdout, capacities) == serial
+    assert STATS.in_workers == done + 2
+
+
 def test_the_worker_count_follows_the_setting_and_the_size(monkeypatch):
     monkeypatch.delenv(WORKERS_ENV, raising=False)
     assert planned_workers(12, MIN_PARALLEL_ACCESSES - 1) == 0  # too short to pay
