@@ -297,14 +297,11 @@ class ChainTracker:
         """One row of ``CHAIN_FEATURES`` per live chain leaf (float32): column by column
         (``features_by_column``; a prefetch round asks for ~2,000 chains) or, for a
         few, row by row (``features_row``, the same row computed as Python scalars)."""
-        n = len(leaves)
-        if n > _ROW_PATH_MAX_CHAINS:
+        if not leaves or len(leaves) > _ROW_PATH_MAX_CHAINS:
             return self.features_by_column(leaves, now_ms)
         # Few chains (a request's own, scored for the admission veto): the row
         # definition costs less than ~20 numpy calls (1.5 against 21 us for one chain)
         # and gives the same float32 values (a test holds the two paths equal).
-        if n == 0:
-            return np.empty((0, len(CHAIN_FEATURES)), dtype=np.float32)
         return np.array([self.features_row(leaf, now_ms) for leaf in leaves], np.float32)
 
     def features_by_column(self, leaves: Sequence[int], now_ms: int) -> np.ndarray:

@@ -63,6 +63,7 @@ from typing import IO, Any
 import numpy as np
 
 from features.annotate import next_access_index
+from training.child_process import module_command
 
 ORACLE_GENERAL_DTYPE = np.dtype(
     [
@@ -300,13 +301,10 @@ class _PeerServer:
         self._stop()
 
     def _start(self) -> subprocess.Popen[str]:
-        # This checkout first on the path, not the working directory (``-P``).
-        repo_root = str(Path(__file__).resolve().parents[1])
-        env = dict(os.environ)
-        env["PYTHONPATH"] = os.pathsep.join(filter(None, [repo_root, env.get("PYTHONPATH")]))
+        argv, env = module_command("training.peers")
         with open(self._log_path, "a") as log:
             return subprocess.Popen(
-                [sys.executable, "-P", "-m", "training.peers"],
+                argv,
                 stdin=subprocess.PIPE,
                 stdout=subprocess.PIPE,
                 stderr=log,

@@ -46,11 +46,11 @@ import sys
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import IO, Any
 
 from features.events import BlocksAccessed
 from predictor.base import Policy
+from training.child_process import module_command
 
 log = logging.getLogger(__name__)
 
@@ -388,13 +388,9 @@ class _Worker:
     """One ``python -m training.replay_pool`` process and its pipes."""
 
     def __init__(self) -> None:
-        # This checkout first on the path; ``-P``: not the working directory, which
-        # ``-m`` would put before it (another checkout's ``training`` there).
-        repo_root = str(Path(__file__).resolve().parents[1])
-        env = dict(os.environ)
-        env["PYTHONPATH"] = os.pathsep.join(filter(None, [repo_root, env.get("PYTHONPATH")]))
+        argv, env = module_command("training.replay_pool")
         self.proc = subprocess.Popen(
-            [sys.executable, "-P", "-m", "training.replay_pool"],
+            argv,
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             stderr=subprocess.DEVNULL,

@@ -95,8 +95,9 @@ def test_learned_policies_carry_the_chain_model_and_offer_its_candidates():
 
 def test_chain_features_by_column_equal_the_row_definition_and_scores_are_lightgbms(fitted):
     """``features`` column by column (numpy, many chains) is bit-identical to
-    ``features_row`` (Python scalars, what a few chains take), out-of-order turns (negative think times) included; ``predict_chains``
-    (compiled trees) equals ``Booster.predict`` within 1e-6."""
+    ``features_row`` (Python scalars, what a few chains take), out-of-order turns
+    (negative think times) included; ``predict_chains`` (compiled trees) equals
+    ``Booster.predict`` within 1e-6."""
     policy, _, test = fitted
     chain = policy.fresh_copy()
     events = list(test)
