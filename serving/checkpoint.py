@@ -88,7 +88,6 @@ STATE_FIELDS: dict[str, tuple[str, ...]] = {
         "scales",
         "num_requests",
         "num_switches",
-        "_switches_since_restart",
         "chosen",
         "_chosen_since",
     ),

@@ -54,9 +54,8 @@ from serving.state_store import StateStore
 
 log = logging.getLogger(__name__)
 
-SNAPSHOT_VERSION = 4
-"""3: the prefetch gate keeps its precision per target tier; 4: the guard counts its
-switches since the start or its last restart (``GuardParams.switch_backoff_requests``)."""
+SNAPSHOT_VERSION = 3
+"""3: the prefetch gate keeps its precision per target tier."""
 
 
 @dataclass

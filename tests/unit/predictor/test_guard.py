@@ -441,7 +441,7 @@ def test_a_lead_within_the_margin_of_lru_goes_back_to_lru_not_to_the_leader():
 
 
 def test_falling_back_to_lru_is_at_once_leaving_it_waits():
-    guard = _three(min_requests_between_switches=500, switch_backoff_requests=0)
+    guard = _three(min_requests_between_switches=500)
     guard.num_requests = 10_000
     guard.chosen, guard._chosen_since = "lfu", 10_000  # just chosen
     _rigged(guard, {"lru": 0.30, "lfu": 0.20, "lru2": 0.21})
@@ -457,49 +457,6 @@ def test_falling_back_to_lru_is_at_once_leaving_it_waits():
     _rigged(guard, {"lru": 0.20, "lfu": 0.40, "lru2": 0.30})
     guard._maybe_switch()
     assert guard.chosen == "lru2"
-
-
-@pytest.mark.parametrize("outer_capacity_blocks", [None, 400])
-def test_single_tier_hysteresis_backs_off_from_short_to_the_full_one(outer_capacity_blocks):
-    """Single tier: the serving candidate holds 50 requests after the first switch, then
-    twice as long after each further one, at most 500; a restart starts again at 50.
-    Tiered: 500 from the start. Falling back to LRU is at once either way."""
-    guard = _three(
-        min_requests_between_switches=500,
-        switch_backoff_requests=50,
-        outer_capacity_blocks=outer_capacity_blocks,
-    )
-    tiered = outer_capacity_blocks is not None
-    lfu_leads = {"lru": 0.20, "lfu": 0.30, "lru2": 0.20}
-    lru_leads = {"lru": 0.30, "lfu": 0.20, "lru2": 0.20}
-    waited = []
-    for _ in range(5):
-        guard.chosen, guard._chosen_since = "lru", guard.num_requests
-        _rigged(guard, lfu_leads)
-        start = guard.num_requests
-        while guard.chosen == "lru":
-            guard.num_requests += 1
-            guard._maybe_switch()
-        waited.append(guard.num_requests - start)
-        _rigged(guard, lru_leads)
-        guard._maybe_switch()  # back to LRU at once, whatever the hysteresis
-        assert guard.chosen == "lru"
-    # Two switches a round (away from LRU, back to it): LRU holds 50, 200, then 500.
-    assert waited == ([500] * 5 if tiered else [50, 200, 500, 500, 500])
-    guard.restart_estimates()
-    _rigged(guard, lfu_leads)
-    guard._maybe_switch()
-    assert guard.chosen == "lfu"  # right after a restart: no wait
-    _rigged(guard, lru_leads)
-    guard._maybe_switch()
-    assert guard.chosen == "lru"
-    guard.chosen, guard._chosen_since = "lru", guard.num_requests
-    _rigged(guard, lfu_leads)
-    start = guard.num_requests
-    while guard.chosen == "lru":
-        guard.num_requests += 1
-        guard._maybe_switch()
-    assert guard.num_requests - start == (500 if tiered else 200)
 
 
 @pytest.mark.parametrize(
