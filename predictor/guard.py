@@ -59,11 +59,12 @@ first choice then rests on the model's own training requests, which a sidecar ne
 sees), a fixed wait of 150 requests (chat at 10% 0.0029 below exact LRU), and at chat
 at 5% (0.0404 served) a half-life of 16,000 sampled accesses (0.0404), ghosts of 4,096
 blocks (0.0410, no sampling there), ghosts that evict through the planner itself (0.0390;
-0.0409 with both of the others). At 1,726 blocks (chat at 5%) the sampled
-ghosts underrate the model: its ghost hits 0.0417 over the replay (0.0441 evicting
-through the planner) where the model alone hits 0.0478, and LRU's 0.0397 against
-0.0396; chat's hits come a conversation at a time, so a few hundred requests of
-decayed estimates rank the candidates differently from the whole replay.
+0.0409 with both of the others). At 1,726 blocks (chat at 5%) the ghosts underrate
+the model even unsampled (4,096-block ghosts): its ghost hits 0.0417 over the replay
+(0.0441 evicting through the planner) where the model alone hits 0.0478, LRU's 0.0397
+against 0.0396; and chat's hits come a conversation at a time, so a few hundred
+requests of decayed estimates rank the candidates differently from the whole replay
+(at the end, the model 0.0168 against LRU's 0.0192 with the default ghosts).
 
 Measured (``kvwarm bench quality --requests 2500 --no-peers --policies lru,lightgbm
 --tiered``, both halves, seeds 0-2; the rules above against the previous ones: the
