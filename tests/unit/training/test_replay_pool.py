@@ -133,9 +133,7 @@ def test_workers_import_this_checkout_whatever_the_working_directory(chat, monke
     capacities = [n // 20, n // 10]
     monkeypatch.setenv(WORKERS_ENV, "1")
     serial = replay_hit_ratios(policies, holdout, capacities)
-    for worker in list(replay_pool._WORKERS):  # fresh workers, started from tmp_path
-        worker.proc.kill()
-        worker.proc.wait()
+    replay_pool._close_pool(kill=True)  # fresh workers next, started from tmp_path
     monkeypatch.chdir(tmp_path)
     monkeypatch.setenv(WORKERS_ENV, "2")
     done = STATS.in_workers
