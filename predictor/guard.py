@@ -66,6 +66,21 @@ against 0.0396; and chat's hits come a conversation at a time, so a few hundred
 requests of decayed estimates rank the candidates differently from the whole replay
 (at the end, the model 0.0168 against LRU's 0.0192 with the default ghosts).
 
+How sure is a switch? Each candidate pair's per-request difference in ghost hits was
+summed as the estimates are (decayed), with the sum of its squares: the lead in
+standard errors, requests taken as independent. With the back-off above, seed 1 chat
+at 1,500 requests and seed 0 chat and agent at 2,500 (every capacity, no peers) made 39
+switches: 3 on a lead of 2 standard errors or more (2.45, 2.86, 3.13; two of them on the
+warm-up's in-sample estimates), 35 on less than 1.7; the two rows the back-off won
+(chat at 5%, agent at 10%) rest on switches of 0.5-1.2. On replays of this length the
+candidates' differences on chat and agent are within the noise where the guard
+decides, and a peer win there is partly luck. Gating on it (single tier: a switch to
+another candidate than ``initial`` also needs a lead of 2 standard errors; 100 or 500
+requests between switches gave the same rows) was lower at 6 of 9 rows, higher at 3:
+seed 0 agent 0.0813 / 0.2949 / 0.4481 and chat 0.0275 / 0.0412 / 0.0622 at 1 / 5 / 10%,
+against 0.0887 / 0.2999 / 0.4507 and 0.0294 / 0.0404 / 0.0634; seed 1 chat 0.0266 /
+0.0427 / 0.0498 against 0.0313 / 0.0382 / 0.0477. Not kept.
+
 Measured (``kvwarm bench quality --requests 2500 --no-peers --policies lru,lightgbm
 --tiered``, both halves, seeds 0-2; the rules above against the previous ones: the
 plain mean of the two scales, 500 samples, symmetric hysteresis, no restart): the
