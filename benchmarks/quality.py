@@ -16,8 +16,11 @@ at 1/5/10% of the replayed part's distinct blocks, single tier:
 Per workload and capacity: exact LRU, Belady, the best libCacheSim peer, every kvwarm
 policy and the share of the LRU-to-Belady gap each closes. The summary per learned
 policy: the worst hit-ratio difference to exact LRU over every workload and capacity
-(the safety goal: >= -0.005), the mean gap closed, and the workloads on which it beats
-the best peer at every capacity. The leak check (no online policy above Belady with
+(the safety goal: >= -0.005) with its paired bootstrap 95% interval
+(``training.report.hit_difference_interval``: runs of 50 requests resampled), the rows
+below and above exact LRU beyond their interval (the differences the replay can tell
+apart from noise), the mean gap closed, and the workloads on which it beats the best
+peer at every capacity. The leak check (no online policy above Belady with
 bypass) runs on every row; a violation fails the command.
 
 With ``--tiered``, every workload is also replayed through the tiered simulation at
@@ -244,24 +247,32 @@ def best_peer(row: dict[str, Any]) -> tuple[str, float] | None:
 
 
 def summarize(results: dict[str, list[dict[str, Any]]], policies: Sequence[str]) -> dict[str, Any]:
-    """Per kvwarm policy: worst difference to exact LRU, mean gap closed, workloads
-    where it beats the best peer at every capacity, and each setting where it does not
+    """Per kvwarm policy: worst difference to exact LRU (and its 95% interval, when
+    the rows carry one), the settings below and above exact LRU beyond their interval,
+    mean gap closed, workloads where it beats the best peer at every capacity, and
+    each setting where it does not
     (``not_beaten_at``: the policy's and the best peer's hit ratios, ``tie`` when they
     are equal, as when a guard serving exact LRU meets libCacheSim's LRU)."""
     out: dict[str, Any] = {}
     for name in policies:
-        worst: tuple[float, str] = (math.inf, "")
+        worst: tuple[float, str, list[float] | None] = (math.inf, "", None)
         gaps: list[float] = []
         wins: list[str] = []
         not_beaten: list[dict[str, Any]] = []
+        clearly: dict[str, list[str]] = {"below": [], "above": []}
         for workload, rows in results.items():
             beats_all = bool(rows)
             for row in rows:
                 value = row["policies"][name]
                 where = f"{workload} @ {row['capacity'] * 100:g}%"
                 diff = value - row["references"]["lru_exact"]
+                ci = row.get("vs_lru_exact_ci95", {}).get(name)
                 if diff < worst[0]:
-                    worst = (diff, where)
+                    worst = (diff, where, ci)
+                if ci and ci[1] < 0:
+                    clearly["below"].append(where)
+                elif ci and ci[0] > 0:
+                    clearly["above"].append(where)
                 gap = row["gap_closed"].get(name)
                 if gap is not None and np.isfinite(gap):
                     gaps.append(float(gap))
@@ -284,6 +295,10 @@ def summarize(results: dict[str, list[dict[str, Any]]], policies: Sequence[str])
         out[name] = {
             "worst_diff_to_lru": worst[0],
             "worst_at": worst[1],
+            "worst_diff_ci95": worst[2],
+            "clearly_below_lru": clearly["below"],
+            "clearly_above_lru": clearly["above"],
+            "num_rows": sum(len(rows) for rows in results.values()),
             "safe": worst[0] >= -SAFETY_TOLERANCE,
             "mean_gap_closed": float(np.mean(gaps)) if gaps else float("nan"),
             "beats_best_peer_on": wins,
@@ -327,13 +342,18 @@ def markdown(results: dict[str, list[dict[str, Any]]], summary: dict[str, Any]) 
             )
     lines += [
         "",
-        "| policy | worst vs LRU exact (where) | mean gap closed "
-        "| beats best peer at every capacity | where not |",
-        "|---|---|---|---|---|",
+        "| policy | worst vs LRU exact (where; 95% interval) | below / above LRU exact "
+        "beyond the interval | mean gap closed | beats best peer at every capacity | "
+        "where not |",
+        "|---|---|---|---|---|---|",
     ]
     for name, s in summary.items():
+        ci = s.get("worst_diff_ci95")
+        ci_text = f"; {ci[0]:+.4f} to {ci[1]:+.4f}" if ci and all(map(math.isfinite, ci)) else ""
+        below, above = s.get("clearly_below_lru", []), s.get("clearly_above_lru", [])
         lines.append(
-            f"| {name} | {s['worst_diff_to_lru']:+.4f} ({s['worst_at']}) | "
+            f"| {name} | {s['worst_diff_to_lru']:+.4f} ({s['worst_at']}{ci_text}) | "
+            f"{len(below)} ({', '.join(below) or '-'}) / {len(above)} of {s.get('num_rows', '?')} | "
             f"{s['mean_gap_closed'] * 100:.0f}% | {len(s['beats_best_peer_on'])} of "
             f"{s['num_workloads']} ({', '.join(s['beats_best_peer_on']) or '-'}) | "
             f"{_not_beaten_text(s['not_beaten_at'])} |"

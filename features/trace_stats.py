@@ -1,6 +1,6 @@
 """Trace statistics and the two reference caches every result is measured between.
 
-- ``lru_hits``: demand LRU, always admit.
+- ``lru_hits``: demand LRU, always admit (``lru_hit_flags``: which accesses hit).
 - ``belady_hits``: Belady's MIN (evict the block whose next use is farthest), always
   admit, or with ``bypass=True`` (a block whose next use is farther than every
   resident's is not admitted: the optimum for equal-size blocks).
@@ -29,20 +29,28 @@ DEFAULT_CAPACITIES = (0.01, 0.05, 0.1)
 
 def lru_hits(block_ids: np.ndarray, capacity: int) -> int:
     """Hits of a demand LRU cache of ``capacity`` blocks."""
+    return int(lru_hit_flags(block_ids, capacity).sum())
+
+
+def lru_hit_flags(block_ids: np.ndarray, capacity: int) -> np.ndarray:
+    """Per access of ``block_ids``: whether a demand LRU cache of ``capacity`` blocks
+    hits it (bool)."""
+    flags = np.zeros(len(block_ids), dtype=bool)
     if capacity <= 0:
-        return 0
+        return flags
     cache: OrderedDict[int, None] = OrderedDict()
-    hits = 0
+    hit_at: list[int] = []
     move = cache.move_to_end
-    for block in block_ids.tolist():
+    for i, block in enumerate(block_ids.tolist()):
         if block in cache:
-            hits += 1
+            hit_at.append(i)
             move(block)
         else:
             cache[block] = None
             if len(cache) > capacity:
                 cache.popitem(last=False)
-    return hits
+    flags[hit_at] = True
+    return flags
 
 
 def belady_hits(

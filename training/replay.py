@@ -26,7 +26,7 @@ import numpy as np
 
 from features.annotate import access_arrays, next_access_index
 from features.events import BlocksAccessed
-from features.trace_stats import belady_hits, lru_hits
+from features.trace_stats import belady_hits, lru_hit_flags, lru_hits
 from predictor.base import Policy
 from serving.loop import Sidecar
 from serving.placement import Placement
@@ -64,6 +64,8 @@ class SingleTierResult:
     hits: int
     seconds: float
     moves_by_kind: dict[str, int] = field(default_factory=dict)
+    hits_by_request: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
+    """Hits of each replayed request, in order (what a paired interval resamples)."""
 
     @property
     def hit_ratio(self) -> float:
@@ -105,13 +107,16 @@ def replay_single_tier(
     for event in warm:
         sidecar.handle(event)
     sidecar.stats.moves_by_kind.clear()
-    hits = accesses = 0
+    accesses = 0
+    by_request: list[int] = []
     t0 = time.perf_counter()
     tier_of = placement.tier_of
     for i, event in enumerate(events):
+        hits = 0
         for block in event.block_hashes:
             if tier_of(block) == 0:
                 hits += 1
+        by_request.append(hits)
         accesses += len(event.block_hashes)
         sidecar.handle(event)
         if progress is not None and i % 256 == 255:
@@ -122,9 +127,10 @@ def replay_single_tier(
         policy=policy.name,
         capacity_blocks=capacity_blocks,
         accesses=accesses,
-        hits=hits,
+        hits=sum(by_request),
         seconds=time.perf_counter() - t0,
         moves_by_kind=dict(sidecar.stats.moves_by_kind),
+        hits_by_request=np.asarray(by_request, dtype=np.int64),
     )
 
 
@@ -142,6 +148,15 @@ def reference_hit_ratios(
         "belady": belady_hits(arrays.block_ids, capacity_blocks, nxt) / n,
         "belady_bypass": belady_hits(arrays.block_ids, capacity_blocks, nxt, bypass=True) / n,
     }
+
+
+def lru_exact_hits_by_request(events: Sequence[BlocksAccessed], capacity_blocks: int) -> np.ndarray:
+    """Hits of each request of ``events`` under exact LRU of ``capacity_blocks`` (the
+    ``lru_exact`` reference, request by request)."""
+    flags = lru_hit_flags(access_arrays(events).block_ids, capacity_blocks)
+    lengths = np.fromiter((len(e.block_hashes) for e in events), np.int64, count=len(events))
+    request_of = np.repeat(np.arange(len(events)), lengths)
+    return np.bincount(request_of, weights=flags, minlength=len(events)).astype(np.int64)
 
 
 def gap_closed(value: float, low: float, high: float) -> float:

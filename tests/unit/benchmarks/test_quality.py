@@ -160,3 +160,27 @@ def test_the_summary_names_each_setting_where_the_best_peer_is_not_beaten_and_ma
         "| 1 of 3 (rag) | chat @ 10%: 0.1600 against 2Q 0.1700; "
         "diurnal @ 5%: 0.1000, a tie with LRU |" in table
     )
+
+
+def test_the_summary_gives_the_worst_rows_interval_and_counts_rows_beyond_their_interval():
+    def row(capacity, learned, ci):
+        return {
+            **_peer_row(capacity, learned, {"LRU": 0.10}),
+            "vs_lru_exact_ci95": {"lightgbm": ci},
+        }
+
+    results = {
+        "chat": [row(0.05, 0.098, [-0.006, 0.001]), row(0.10, 0.096, [-0.007, -0.001])],
+        "rag": [row(0.05, 0.13, [0.01, 0.05]), row(0.10, 0.11, [-0.002, 0.02])],
+    }
+    learned = summarize(results, ("lightgbm",))["lightgbm"]
+    assert learned["worst_at"] == "chat @ 10%" and learned["worst_diff_ci95"] == [-0.007, -0.001]
+    assert learned["clearly_below_lru"] == ["chat @ 10%"]
+    assert learned["clearly_above_lru"] == ["rag @ 5%"]
+    table = markdown(results, {"lightgbm": learned})
+    assert "| -0.0040 (chat @ 10%; -0.0070 to -0.0010) | 1 (chat @ 10%) / 1 of 4 |" in table
+    # Results written before the intervals existed still summarize.
+    del results["chat"][1]["vs_lru_exact_ci95"]
+    old = summarize(results, ("lightgbm",))["lightgbm"]
+    assert old["worst_diff_ci95"] is None and old["clearly_below_lru"] == []
+    assert "| -0.0040 (chat @ 10%) | 0 (-) / 1 of 4 |" in markdown(results, {"lightgbm": old})

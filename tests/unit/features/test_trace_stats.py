@@ -8,7 +8,7 @@ from click.testing import CliRunner
 
 from features.annotate import access_arrays, next_access_index
 from features.decoders import read_trace
-from features.trace_stats import belady_hits, lru_hits, trace_stats
+from features.trace_stats import belady_hits, lru_hit_flags, lru_hits, trace_stats
 from serving.cli import main
 
 # Requests [1,2] [3] [1,2] [4] [1,3]: accesses 1,2,3,1,2,4,1,3 (worked by hand below).
@@ -44,6 +44,10 @@ def test_golden_hits_on_tiny_trace(tiny_trace):
     # With room for everything both reach the infinite cache: 8 accesses - 4 distinct.
     assert lru_hits(ids, 4) == belady_hits(ids, 4) == 4
     assert lru_hits(ids, 0) == belady_hits(ids, 0) == 0
+    # Which accesses hit: with 3 slots, block 0 and 1 come back before they leave, block 2
+    # has been pushed out by then (accesses 0 1 2 0 1 3 0 2).
+    assert lru_hit_flags(ids, 3).tolist() == [False, False, False, True, True, False, True, False]
+    assert lru_hit_flags(ids, 0).tolist() == [False] * 8
 
 
 def test_trace_stats_on_tiny_trace(tiny_trace):

@@ -12,6 +12,7 @@ from predictor.oracle import FutureAccesses
 from predictor.registry import make_policy
 from training.replay import (
     distinct_blocks,
+    lru_exact_hits_by_request,
     reference_hit_ratios,
     replay_single_tier,
     rescale_time,
@@ -86,6 +87,20 @@ def test_sampled_lru_through_the_planner_tracks_exact_lru(planted):
     exact = reference_hit_ratios(test, capacity)["lru_exact"]
     sampled = replay_single_tier(_warm("lru", train), test, capacity).hit_ratio
     assert abs(sampled - exact) < 0.02
+
+
+def test_hits_are_kept_request_by_request_and_lru_matches_exact_lru_at_each(planted):
+    train, test = planted
+    capacity = max(1, int(0.05 * distinct_blocks(test)))
+    exact = lru_exact_hits_by_request(test, capacity)
+    assert exact.shape == (len(test),)
+    assert exact.sum() / sum(len(e.block_hashes) for e in test) == pytest.approx(
+        reference_hit_ratios(test, capacity)["lru_exact"]
+    )
+    lru = replay_single_tier(_warm("lru", train), test, capacity)
+    assert lru.hits_by_request.tolist() == exact.tolist()  # exact recency, request by request
+    lfu = replay_single_tier(_warm("lfu", train), test, capacity)
+    assert lfu.hits_by_request.sum() == lfu.hits and lfu.hits_by_request.tolist() != exact.tolist()
 
 
 def test_the_engine_load_counts_decode_work(planted):

@@ -128,3 +128,30 @@ def test_the_p50_ratio_interval_spans_one_for_a_crossing_and_not_for_a_real_shif
     # Seeded: the same inputs give the same interval; chunks do not change it.
     assert p50_ratio_interval(crossed, base) == p50_ratio_interval(crossed, base)
     assert np.isnan(p50_ratio_interval(base, base[:10])[0])
+
+
+def test_the_hit_difference_interval_follows_runs_of_requests_and_spans_zero_only_for_noise():
+    from training.report import hit_difference_interval
+
+    rng = np.random.default_rng(2)
+    accesses = rng.integers(5, 40, 600)
+    base = rng.binomial(accesses, 0.3)
+    assert hit_difference_interval(base, base, accesses) == (0.0, 0.0)
+    # One more hit in every request of 20 blocks: the difference is exactly 1/20.
+    twenty = np.full(600, 20)
+    lo, hi = hit_difference_interval(base + 1, base, twenty)
+    assert lo == pytest.approx(0.05) and hi == pytest.approx(0.05)
+    # Ahead in the first half, behind by as much in the second: the point difference
+    # is 0 and the interval must span it (requests resampled in runs of 50 carry the
+    # halves' correlation; one by one they would too, a fortiori).
+    swing = base + np.where(np.arange(600) < 300, 2, -2)
+    lo, hi = hit_difference_interval(swing, base, accesses)
+    assert lo < 0.0 < hi
+    # A small real lead against binomial noise: the interval is above 0 and holds the
+    # point difference.
+    better = rng.binomial(accesses, 0.36)
+    point = (better.sum() - base.sum()) / accesses.sum()
+    lo, hi = hit_difference_interval(better, base, accesses)
+    assert 0.0 < lo <= point <= hi
+    assert hit_difference_interval(better, base, accesses) == (lo, hi)  # seeded
+    assert np.isnan(hit_difference_interval(better, base[:10], accesses)[0])
