@@ -13,6 +13,7 @@ from predictor.registry import make_policy
 from training.replay import (
     distinct_blocks,
     lru_exact_hits_by_request,
+    lru_request_hits_by_request,
     reference_hit_ratios,
     replay_single_tier,
     rescale_time,
@@ -101,6 +102,27 @@ def test_hits_are_kept_request_by_request_and_lru_matches_exact_lru_at_each(plan
     assert lru.hits_by_request.tolist() == exact.tolist()  # exact recency, request by request
     lfu = replay_single_tier(_warm("lfu", train), test, capacity)
     assert lfu.hits_by_request.sum() == lfu.hits and lfu.hits_by_request.tolist() != exact.tolist()
+
+
+def test_lru_through_the_planner_counts_a_requests_hits_at_its_arrival(planted):
+    """Where requests are long against the cache, exact LRU access by access evicts,
+    while storing a request's first missing blocks, blocks it reads further on; the
+    replay counts what is there when the request arrives, and its LRU is that LRU."""
+    from features.events import BlocksAccessed
+
+    train, test = planted
+    capacity = max(2, max(len(e.block_hashes) for e in test) // 2)
+    replayed = replay_single_tier(_warm("lru", train), test, capacity)
+    assert replayed.hits_by_request.tolist() == lru_request_hits_by_request(test, capacity).tolist()
+    # Three blocks of room: [1, 2, 3], then [4, 1, 2]. Access by access, storing 4
+    # evicts 1, storing 1 evicts 2: no hit. Counted at arrival, 1 and 2 are there.
+    events = [
+        BlocksAccessed(ts_ms=1_000 * i, request_id=str(i), block_hashes=b, block_size_tokens=16)
+        for i, b in enumerate([(1, 2, 3), (4, 1, 2)])
+    ]
+    assert lru_exact_hits_by_request(events, 3).tolist() == [0, 0]
+    assert lru_request_hits_by_request(events, 3).tolist() == [0, 2]
+    assert replay_single_tier(make_policy("lru"), events, 3).hits_by_request.tolist() == [0, 2]
 
 
 def test_the_engine_load_counts_decode_work(planted):
