@@ -262,6 +262,7 @@ def summarize(results: dict[str, list[dict[str, Any]]], policies: Sequence[str])
         clearly: dict[str, list[str]] = {"below": [], "above": []}
         worst_request: tuple[float, str, list[float] | None] = (math.inf, "", None)
         fair_wins: list[str] = []
+        fair_known = True
         for workload, rows in results.items():
             beats_all = beats_fairly = bool(rows)
             for row in rows:
@@ -273,8 +274,13 @@ def summarize(results: dict[str, list[dict[str, Any]]], policies: Sequence[str])
                 if diff < worst[0]:
                     worst = (diff, where, ci)
                 # What counting a request's hits at its arrival gives LRU over counting
-                # access by access (0 in results written before it was measured).
-                counting_gain = refs.get("lru_request", refs["lru_exact"]) - refs["lru_exact"]
+                # access by access. Results written before it was measured have it in
+                # ``lru`` through the planner, which is that LRU exactly, when replayed.
+                per_request = refs.get("lru_request", row["policies"].get("lru"))
+                if per_request is None:
+                    fair_known = False
+                    per_request = refs["lru_exact"]
+                counting_gain = per_request - refs["lru_exact"]
                 if "lru_request" in refs and value - refs["lru_request"] < worst_request[0]:
                     ci_request = row.get("vs_lru_request_ci95", {}).get(name)
                     worst_request = (value - refs["lru_request"], where, ci_request)
@@ -318,7 +324,7 @@ def summarize(results: dict[str, list[dict[str, Any]]], policies: Sequence[str])
             "worst_request_at": worst_request[1],
             "worst_request_ci95": worst_request[2],
             "beats_best_peer_on": wins,
-            "beats_best_peer_beyond_counting_gain_on": fair_wins,
+            "beats_best_peer_beyond_counting_gain_on": fair_wins if fair_known else None,
             "not_beaten_at": not_beaten,
             "num_workloads": len(results),
         }

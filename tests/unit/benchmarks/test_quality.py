@@ -208,4 +208,14 @@ def test_the_summary_gives_intervals_and_counts_peer_wins_beyond_lrus_counting_g
             del r["vs_lru_exact_ci95"], r["references"]["lru_request"]
     old = summarize(results, ("lightgbm",))["lightgbm"]
     assert old["worst_diff_ci95"] is None and old["worst_diff_to_lru_request"] is None
-    assert "| -0.0040 (chat @ 10%) | - | 0 (-) / 0 of 5 |" in markdown(results, {"lightgbm": old})
+    assert old["beats_best_peer_beyond_counting_gain_on"] is None  # no LRU replayed
+    table = markdown(results, {"lightgbm": old})
+    assert "| -0.0040 (chat @ 10%) | - | 0 (-) / 0 of 5 |" in table
+    assert "| 3 of 3 (chat, diurnal, rag) | - |" in table
+    # ... unless they replayed lru through the planner: that is LRU counted per request.
+    results["diurnal"][0]["policies"]["lru"] = 0.13
+    for workload in ("chat", "rag"):
+        for r in results[workload]:
+            r["policies"]["lru"] = 0.10
+    rerun = summarize(results, ("lightgbm",))["lightgbm"]
+    assert rerun["beats_best_peer_beyond_counting_gain_on"] == ["chat", "rag"]
