@@ -167,7 +167,7 @@ def test_the_summary_names_each_setting_where_the_best_peer_is_not_beaten_and_ma
     ]
     table = markdown(results, {"lightgbm": learned})
     assert (
-        "| 1 of 3 (rag) | chat @ 10%: 0.1600 against 2Q 0.1700; "
+        "| 1 of 3 (rag) | - | chat @ 10%: 0.1600 against 2Q 0.1700; "
         "diurnal @ 5%: 0.1000, a tie with LRU |" in table
     )
 
