@@ -426,6 +426,32 @@ def test_the_outer_scale_weighs_by_the_load_time_a_hit_saves():
     assert est["lfu"] == pytest.approx(0.1 * 0.3 + 0.9 * 0.4)
 
 
+def test_a_scale_weighing_under_the_minimum_is_not_run_and_the_other_decides_alone():
+    def guard(weight: float) -> GuardedPolicy:
+        params = GuardParams(capacity_blocks=10, outer_capacity_blocks=40, outer_weight=weight)
+        return GuardedPolicy(params, {"lru": LRUPolicy(), "lfu": LFUPolicy()})
+
+    assert set(guard(0.9).scales) == {"fastest", "outer"}  # 0.1 >= 0.05: both
+    # The default profile's weight: the fastest scale (0.013) only broke ties.
+    heavy = guard(0.987)
+    assert set(heavy.scales) == {"outer"} and heavy.tiered
+    assert heavy.rate == heavy.scales["outer"].rate and heavy.ghosts is heavy.scales["outer"].ghosts
+    heavy.scales["outer"].hits = {"lru": 500.0, "lfu": 400.0}
+    heavy.scales["outer"].accesses = 1_000.0
+    assert heavy.estimates() == pytest.approx({"lru": 0.5, "lfu": 0.4})
+    assert set(heavy.online_status()["guard"]["estimated_hit_ratio_by_scale"]) == {"outer"}
+    light = guard(0.02)
+    assert set(light.scales) == {"fastest"} and light.tiered
+    # A stream runs through the one scale, and the tiered minimum still holds it back.
+    for i in range(300):
+        blocks = tuple(range(i % 7 * 10, i % 7 * 10 + 10))
+        heavy.observe(
+            BlocksAccessed(ts_ms=i, request_id=str(i), block_hashes=blocks, block_size_tokens=16)
+        )
+    assert heavy.num_sampled_accesses == 3_000 >= heavy.params.min_sampled_accesses_tiered
+    assert "fastest" not in heavy.estimates_by_scale()
+
+
 def test_a_lead_within_the_margin_of_lru_goes_back_to_lru_not_to_the_leader():
     guard = _three(min_requests_between_switches=0)
     guard.chosen = "lfu"
