@@ -12,7 +12,9 @@ Primitives:
 - ``replay_single_tier(...)``: the classic cache setting: one tier of
   ``capacity_blocks``, demand fills, hit ratio of block accesses.
 - ``reference_hit_ratios(...)``: exact LRU, Belady (always admit) and Belady with
-  bypass on the same block sequence, the bounds every result is quoted between.
+  bypass on the same block sequence, the bounds every result is quoted between;
+  ``single_tier_references(...)``: those, LRU counted per request as the replay counts,
+  and both LRUs request by request (what a paired interval resamples), in one pass.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ from typing import Any
 
 import numpy as np
 
-from features.annotate import access_arrays, next_access_index
+from features.annotate import AccessArrays, access_arrays, next_access_index
 from features.events import BlocksAccessed
 from features.trace_stats import belady_hits, lru_hit_flags, lru_hits
 from predictor.base import Policy
@@ -140,24 +142,53 @@ def reference_hit_ratios(
 ) -> dict[str, float]:
     """Exact LRU, Belady (always admit) and Belady with bypass on ``events``' blocks."""
     arrays = access_arrays(events)
+    return _reference_ratios(arrays, lru_hits(arrays.block_ids, capacity_blocks), capacity_blocks)
+
+
+def _reference_ratios(
+    arrays: AccessArrays, lru_exact_hits: int, capacity_blocks: int
+) -> dict[str, float]:
+    """``reference_hit_ratios`` of ``access_arrays``' output, exact LRU's hits given."""
     n = arrays.num_accesses
     if n == 0:
         return {"lru_exact": 0.0, "belady": 0.0, "belady_bypass": 0.0}
     nxt = next_access_index(arrays.block_ids)
     return {
-        "lru_exact": lru_hits(arrays.block_ids, capacity_blocks) / n,
+        "lru_exact": lru_exact_hits / n,
         "belady": belady_hits(arrays.block_ids, capacity_blocks, nxt) / n,
         "belady_bypass": belady_hits(arrays.block_ids, capacity_blocks, nxt, bypass=True) / n,
     }
 
 
-def lru_exact_hits_by_request(events: Sequence[BlocksAccessed], capacity_blocks: int) -> np.ndarray:
-    """Hits of each request of ``events`` under exact LRU of ``capacity_blocks`` (the
-    ``lru_exact`` reference, request by request)."""
-    flags = lru_hit_flags(access_arrays(events).block_ids, capacity_blocks)
-    lengths = np.fromiter((len(e.block_hashes) for e in events), np.int64, count=len(events))
-    request_of = np.repeat(np.arange(len(events)), lengths)
-    return np.bincount(request_of, weights=flags, minlength=len(events)).astype(np.int64)
+@dataclass
+class RequestHits:
+    """Per request of a replayed part, in order."""
+
+    accesses: np.ndarray
+    lru_exact: np.ndarray
+    """Hits under exact LRU access by access (``lru_exact``)."""
+    lru_request: np.ndarray
+    """Hits under LRU counted per request (``lru_request_hits_by_request``)."""
+
+
+def single_tier_references(
+    events: Sequence[BlocksAccessed], capacity_blocks: int
+) -> tuple[dict[str, float], RequestHits]:
+    """``reference_hit_ratios`` plus ``lru_request`` (LRU counted per request, what the
+    planner's own ``lru`` hits), and both LRUs request by request: the access arrays
+    built and exact LRU run once for all of it."""
+    arrays = access_arrays(events)
+    flags = lru_hit_flags(arrays.block_ids, capacity_blocks)
+    refs = _reference_ratios(arrays, int(flags.sum()), capacity_blocks)
+    per_request = arrays.request_index
+    n = len(events)
+    by_request = RequestHits(
+        accesses=np.bincount(per_request, minlength=n).astype(np.int64),
+        lru_exact=np.bincount(per_request, weights=flags, minlength=n).astype(np.int64),
+        lru_request=lru_request_hits_by_request(events, capacity_blocks),
+    )
+    refs["lru_request"] = float(by_request.lru_request.sum() / max(1, arrays.num_accesses))
+    return refs, by_request
 
 
 def lru_request_hits_by_request(

@@ -50,11 +50,9 @@ from training.replay import (
     SingleTierResult,
     distinct_blocks,
     gap_closed,
-    lru_exact_hits_by_request,
-    lru_request_hits_by_request,
-    reference_hit_ratios,
     replay_single_tier,
     rescale_time,
+    single_tier_references,
     split_events,
     spread_ties,
 )
@@ -325,9 +323,6 @@ def run_comparison(
         if runner.parallel:
             say(f"replaying side by side on {workers} worker processes")
         trace = runner.share(list(test))
-        accesses_by_request = np.fromiter(
-            (len(e.block_hashes) for e in test), np.int64, count=len(test)
-        )
         queued: list[tuple[float, int, dict[str, Job], TieredSetup | None, list[Job]]] = []
         for fraction in config.capacities:
             capacity = max(1, int(fraction * num_distinct))
@@ -362,12 +357,7 @@ def run_comparison(
             queued.append((fraction, capacity, single, setup, tiered))
         for fraction, capacity, single, setup, tiered in queued:
             if single:
-                refs = reference_hit_ratios(test, capacity)
-                lru_by_request = lru_exact_hits_by_request(test, capacity)
-                # The same LRU counted as the replay counts (a request's hits at its
-                # arrival): what the planner's own ``lru`` hits.
-                lru_request = lru_request_hits_by_request(test, capacity)
-                refs["lru_request"] = float(lru_request.sum() / max(1, accesses))
+                refs, by_request = single_tier_references(test, capacity)
                 rows: dict[str, float] = {}
                 seconds: dict[str, float] = {}
                 guard_choice: dict[str, Any] = {}
@@ -377,10 +367,13 @@ def run_comparison(
                     result, guard = job.result()
                     rows[name] = result.hit_ratio
                     seconds[name] = result.seconds
-                    for base, into in ((lru_by_request, vs_lru), (lru_request, vs_lru_request)):
+                    for base, into in (
+                        (by_request.lru_exact, vs_lru),
+                        (by_request.lru_request, vs_lru_request),
+                    ):
                         into[name] = list(
                             hit_difference_interval(
-                                result.hits_by_request, base, accesses_by_request
+                                result.hits_by_request, base, by_request.accesses
                             )
                         )
                     if guard is not None:

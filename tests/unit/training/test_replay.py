@@ -12,11 +12,11 @@ from predictor.oracle import FutureAccesses
 from predictor.registry import make_policy
 from training.replay import (
     distinct_blocks,
-    lru_exact_hits_by_request,
     lru_request_hits_by_request,
     reference_hit_ratios,
     replay_single_tier,
     rescale_time,
+    single_tier_references,
     split_events,
     spread_ties,
     time_scale_for_load,
@@ -93,7 +93,7 @@ def test_sampled_lru_through_the_planner_tracks_exact_lru(planted):
 def test_hits_are_kept_request_by_request_and_lru_matches_exact_lru_at_each(planted):
     train, test = planted
     capacity = max(1, int(0.05 * distinct_blocks(test)))
-    exact = lru_exact_hits_by_request(test, capacity)
+    exact = single_tier_references(test, capacity)[1].lru_exact
     assert exact.shape == (len(test),)
     assert exact.sum() / sum(len(e.block_hashes) for e in test) == pytest.approx(
         reference_hit_ratios(test, capacity)["lru_exact"]
@@ -120,7 +120,7 @@ def test_lru_through_the_planner_counts_a_requests_hits_at_its_arrival(planted):
         BlocksAccessed(ts_ms=1_000 * i, request_id=str(i), block_hashes=b, block_size_tokens=16)
         for i, b in enumerate([(1, 2, 3), (4, 1, 2)])
     ]
-    assert lru_exact_hits_by_request(events, 3).tolist() == [0, 0]
+    assert single_tier_references(events, 3)[1].lru_exact.tolist() == [0, 0]
     assert lru_request_hits_by_request(events, 3).tolist() == [0, 2]
     assert replay_single_tier(make_policy("lru"), events, 3).hits_by_request.tolist() == [0, 2]
 
