@@ -37,7 +37,8 @@ behind the guard) 45,942 / 47,867 / 47,278 block accesses/s against 32,177 / 35,
 0 (``kvwarm bench quality ... --tiered``, both halves, 1,500 and 2,500 requests) and at
 seeds 1 and 2 (2,500) gave the same TTFT p50 ratio to LRU with prewarm on 95 of 96 rows;
 seed 1's rag at 1% moved from 0.9995x to 0.9961x (LRU-2 served at the end either way),
-and every half's worst ratio is as before.
+and every half's worst ratio is as before. At seeds 1 and 2 with 1,500 requests (all
+45 settings, four halves) every tiered row came out identical (re-run 2026-12-07).
 
 When it switches (``_maybe_switch``): not before it has counted
 ``min_sampled_accesses`` (500) sampled accesses, or, with an outer scale,
