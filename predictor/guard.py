@@ -509,6 +509,10 @@ class GuardedPolicy(Policy):
         self.num_requests = 0
         self.num_switches = 0
         self.chosen = p.initial
+        self.served_requests: dict[str, int] = dict.fromkeys(names, 0)
+        """Requests each candidate served since this process started (a counter, as
+        Prometheus keeps one: not checkpointed, it does not steer anything). A learned
+        sidecar's speed and hit ratio are the model's only as far as the model served."""
         self._chosen_since = 0
         self._decay_per_access = 0.5 ** (1.0 / p.half_life_accesses)
 
@@ -550,6 +554,7 @@ class GuardedPolicy(Policy):
                 sampled = n
         if sampled:
             self._maybe_switch()
+        self.served_requests[self.chosen] += 1
 
     def _maybe_switch(self) -> None:
         p = self.params
@@ -624,6 +629,7 @@ class GuardedPolicy(Policy):
                 "chosen": self.chosen,
                 "estimated_hit_ratio": self.estimates(),
                 "switches": self.num_switches,
+                "served_requests": dict(self.served_requests),
                 "sampled_accesses": self.num_sampled_accesses,
                 "sampling_rate": self.rate,
                 "capacity_blocks": self.params.capacity_blocks,

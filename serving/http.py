@@ -43,6 +43,7 @@ kvwarm_tier_capacity_blocks{tier}
 kvwarm_guard_choice{policy}             1 for the candidate the guard serves
 kvwarm_guard_estimated_hit_ratio{...}   ghost-cache hit ratio per candidate
 kvwarm_guard_switches_total             guard changes of candidate
+kvwarm_guard_served_requests_total{...} requests each candidate served
 ======================================  =========================================
 """
 
@@ -261,6 +262,14 @@ class _LiveCollector(Collector):
         yield CounterMetricFamily(
             "kvwarm_guard_switches", "Guard changes of candidate.", value=guard["switches"]
         )
+        served = CounterMetricFamily(
+            "kvwarm_guard_served_requests",
+            "Requests each guard candidate served since the sidecar started.",
+            labels=["policy"],
+        )
+        for name, count in guard.get("served_requests", {}).items():
+            served.add_metric([name], count)
+        yield served
 
     @staticmethod
     def _source(source: Any) -> Iterator[Metric]:

@@ -20,6 +20,14 @@ def test_open_loops_offer_half_of_the_live_maximum(kafka_bootstrap: str) -> None
     assert result.exit_code == 0, result.output
     lines = result.output.splitlines()
     assert not any("skipped" in line or "stalled" in line for line in lines), result.output
+    # The model alone is measured beside the model behind the guard, and the guard says
+    # which candidate served each of the 300 requests.
+    assert sum(line.startswith("file  model (no guard) ") for line in lines) == 1, result.output
+    for run in ("file  learned", "kafka learned"):
+        served = [line for line in lines if line.startswith(f"{run}: the guard served ")]
+        assert len(served) == 1, result.output
+        counts = re.findall(r" ([\d,]+) \(\d+%\)", served[0])
+        assert sum(int(c.replace(",", "")) for c in counts) == 300, served[0]
     for label in ("open  lru", "open  learned", "kafka open  lru", "kafka open  learned"):
         found = [
             m

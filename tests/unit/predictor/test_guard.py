@@ -171,6 +171,10 @@ def test_guard_memory_is_bounded_and_status_is_reported():
     status = guard.online_status()["guard"]
     assert status["chosen"] in ("lru", "lfu")
     assert set(status["estimated_hit_ratio"]) == {"lru", "lfu"}
+    # Every request was served by exactly one candidate, the chosen one last.
+    served = status["served_requests"]
+    assert set(served) == {"lru", "lfu"} and sum(served.values()) == len(events)
+    assert served[status["chosen"]] > 0
     # Scores are the serving candidate's, unchanged.
     probe = np.array([1, 2, 3, 10_000], dtype=np.uint64)
     np.testing.assert_array_equal(

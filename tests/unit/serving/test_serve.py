@@ -344,6 +344,10 @@ def test_a_learned_model_is_served_behind_the_guard_visible_in_health_and_metric
         text = service.metrics.text().decode()
         assert f'kvwarm_guard_choice{{policy="{health["chosen"]}"}} 1.0' in text
         assert "kvwarm_guard_estimated_hit_ratio" in text
+        served = health["served_requests"]
+        assert sum(served.values()) == service.sidecar.stats.requests
+        for name, count in served.items():
+            assert f'kvwarm_guard_served_requests_total{{policy="{name}"}} {float(count)}' in text
         # A hot-swapped model goes behind the guard too.
         service.sidecar.swap_policy(fit_policy_on_events("lightgbm", events, quick=True))
         assert isinstance(service.sidecar.policy, GuardedPolicy)
