@@ -576,23 +576,25 @@ def serve_bench(
             "batch_size": batch_size,
             "model_poll_interval_s": 0,
         }
-        file_runs = []
         # "learned" is what `kvwarm serve` runs: the model behind the guard, which serves
-        # whichever candidate its ghosts rank first (on this workload mostly LRU: the
-        # table's last lines say how many requests each served); "model" is the model
-        # alone, every request scored by it: the learned path's own speed.
-        for label, spec, extra in (
-            ("file  lru", "lru", {}),
-            ("file  learned", model, {}),
-            ("file  model (no guard)", model, {"guard": False}),
-        ):
+        # whichever candidate its ghosts rank first (on this workload LRU: the lines under
+        # the table say how many requests each served); "model" is the model alone, every
+        # request scored by it: the learned path's own speed.
+        configs: list[tuple[str, str, dict[str, Any]]] = [
+            ("lru", "lru", {}),
+            ("learned", model, {}),
+            ("model", model, {"guard": False}),
+        ]
+        file_runs = []
+        for name, spec, extra in configs:
             kwargs = {
                 **common,
                 **extra,
                 "source": f"file:{trace}",
                 "model": spec,
-                "decisions": (f"file:{tmp / (label.split()[1] + '.jsonl')}",),
+                "decisions": (f"file:{tmp / (name + '.jsonl')}",),
             }
+            label = "file  model (no guard)" if name == "model" else f"file  {name}"
             file_runs.append(run_once(label, kwargs))
         _print(file_runs, file_runs[0])
         fractions = [float(f) for f in rates.split(",") if f.strip()]
@@ -606,13 +608,13 @@ def serve_bench(
                 "memory (latency per event from its arrival to its decisions' commit):"
             )
             maxima = []
-            for (label, spec), saturated in zip(
-                (("open  lru", "lru"), ("open  learned", model)), file_runs[:2], strict=True
-            ):
+            for (name, spec, extra), saturated in zip(configs, file_runs, strict=True):
+                label = f"open  {name}"
                 kwargs = {
                     **common,
+                    **extra,
                     "model": spec,
-                    "decisions": (f"file:{tmp / ('open-' + label.split()[-1] + '.jsonl')}",),
+                    "decisions": (f"file:{tmp / ('open-' + name + '.jsonl')}",),
                 }
                 pace = saturated.events / saturated.elapsed_s
                 maximum = live_maximum(kwargs, events, pace)

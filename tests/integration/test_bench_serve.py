@@ -28,7 +28,8 @@ def test_open_loops_offer_half_of_the_live_maximum(kafka_bootstrap: str) -> None
         assert len(served) == 1, result.output
         counts = re.findall(r" ([\d,]+) \(\d+%\)", served[0])
         assert sum(int(c.replace(",", "")) for c in counts) == 300, served[0]
-    for label in ("open  lru", "open  learned", "kafka open  lru", "kafka open  learned"):
+    labels = ("open  lru", "open  learned", "open  model", "kafka open  lru", "kafka open  learned")
+    for label in labels:
         found = [
             m
             for line in lines
