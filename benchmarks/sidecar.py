@@ -2,8 +2,8 @@
 
 Runs the whole ``kvwarm serve`` assembly (``serving.serve_cli.Service``) in this
 process over a generated trace, once with LRU, once with the learned model as
-``kvwarm serve`` runs it (behind the online guard) and, from the file, once with the
-model alone (``guard = false``: every request scored by the model), and prints block
+``kvwarm serve`` runs it (behind the online guard) and once with the model alone
+(``kvwarm serve --no-guard``: every request scored by the model), and prints block
 accesses per second plus p50/p99 event-to-decision latency (poll -> decisions
 delivered by the sink), each run as a ratio of the LRU run. Under the table: how many
 requests each guard candidate served. On the default workload the guard serves LRU
@@ -651,12 +651,15 @@ def serve_bench(
         kafka_runs = []
         tag = f"{os.getpid()}-{int(time.time())}"
 
-        def saturated_kafka(label: str, spec: str, path: Path, topic: str) -> RunResult:
+        def saturated_kafka(
+            label: str, spec: str, extra: dict[str, Any], path: Path, topic: str
+        ) -> RunResult:
             """``path``'s events produced into ``topic`` first, then served from it."""
             ensure_topics(kafka_bootstrap, {topic: 1})
             report = produce_trace(path, kafka_bootstrap, topic, progress=False)
             kwargs = {
                 **common,
+                **extra,
                 "source": f"kafka://{kafka_bootstrap}/{topic}",
                 "model": spec,
                 "decisions": (f"kafka://{kafka_bootstrap}/kvwarm.bench.decisions.{tag}",),
@@ -665,10 +668,10 @@ def serve_bench(
             }
             return run_once(label, kwargs)
 
-        for label, spec in (("kafka lru", "lru"), ("kafka learned", model)):
-            name = label.split()[-1]
+        for name, spec, extra in configs:
+            label = "kafka model (no guard)" if name == "model" else f"kafka {name}"
             kafka_runs.append(
-                saturated_kafka(label, spec, trace, f"kvwarm.bench.events.{name}.{tag}")
+                saturated_kafka(label, spec, extra, trace, f"kvwarm.bench.events.{name}.{tag}")
             )
         click.echo("")
         _print(kafka_runs, kafka_runs[0])
@@ -680,27 +683,24 @@ def serve_bench(
                 f"{load_settings(None, **common).kafka_commit_interval_ms} ms):"
             )
             kafka_maxima = []
-            for (label, spec), saturated in zip(
-                (("kafka open  lru", "lru"), ("kafka open  learned", model)),
-                kafka_runs,
-                strict=True,
-            ):
-                name = label.split()[-1]
+            for (name, spec, extra), saturated in zip(configs, kafka_runs, strict=True):
+                label = f"kafka open  {name}"
                 pace = saturated.events / saturated.elapsed_s
                 live = saturated_kafka(
                     label,
                     spec,
+                    extra,
                     write_events(paced(events, pace), tmp / f"paced-{name}.jsonl"),
                     f"kvwarm.bench.events.paced.{name}.{tag}",
                 )
                 maximum = live.events / live.elapsed_s
-                kafka_maxima.append((label, spec, maximum))
+                kafka_maxima.append((label, name, spec, extra, maximum))
                 click.echo(_live_line(label, maximum, blocks_per_event, "saturated run", pace))
             click.echo(OPEN_LOOP_HEADER + (f"{'p99 range':>16}" if repeat > 1 else ""))
-            for label, spec, max_rate in kafka_maxima:
-                name = label.split()[-1]
+            for label, name, spec, extra, max_rate in kafka_maxima:
                 open_kwargs = {
                     **common,
+                    **extra,
                     "model": spec,
                     "decisions": (f"kafka://{kafka_bootstrap}/kvwarm.bench.decisions.open.{tag}",),
                 }
