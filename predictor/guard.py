@@ -510,9 +510,10 @@ class GuardedPolicy(Policy):
         self.num_switches = 0
         self.chosen = p.initial
         self.served_requests: dict[str, int] = dict.fromkeys(names, 0)
-        """Requests each candidate served since this process started (a counter, as
-        Prometheus keeps one: not checkpointed, it does not steer anything). A learned
-        sidecar's speed and hit ratio are the model's only as far as the model served."""
+        """Requests each candidate served since this guard was assembled (the sidecar's
+        start, or the hot swap that brought its model; a counter, as Prometheus keeps
+        one: not checkpointed, it steers nothing). A learned sidecar's speed and hit
+        ratio are the model's only as far as the model served."""
         self._chosen_since = 0
         self._decay_per_access = 0.5 ** (1.0 / p.half_life_accesses)
 

@@ -264,7 +264,7 @@ class _LiveCollector(Collector):
         )
         served = CounterMetricFamily(
             "kvwarm_guard_served_requests",
-            "Requests each guard candidate served since the sidecar started.",
+            "Requests each guard candidate served since the guard was assembled (start or model swap).",
             labels=["policy"],
         )
         for name, count in guard.get("served_requests", {}).items():
