@@ -38,7 +38,9 @@ behind the guard) 45,942 / 47,867 / 47,278 block accesses/s against 32,177 / 35,
 seeds 1 and 2 (2,500) gave the same TTFT p50 ratio to LRU with prewarm on 95 of 96 rows;
 seed 1's rag at 1% moved from 0.9995x to 0.9961x (LRU-2 served at the end either way),
 and every half's worst ratio is as before. At seeds 1 and 2 with 1,500 requests (all
-45 settings, four halves) every tiered row came out identical (re-run 2026-12-07).
+45 settings, four halves) every tiered row came out identical (re-run 2026-12-07), and
+so did every row of the LSTM's tiered halves at seeds 0, 1 and 2 (1,500 requests, 69
+settings).
 
 When it switches (``_maybe_switch``): not before it has counted
 ``min_sampled_accesses`` (500) sampled accesses, or, with an outer scale,
