@@ -213,11 +213,11 @@ def _evaluators(policy: LearnedPolicy, events: list[BlocksAccessed]) -> str:
         diff = float(np.abs(np.asarray(fn(x)) - reference).max()) if x.shape[0] else 0.0
         cells = []
         for n in (1, 16, 128, 1000):
-            slices = fresh_slices(pool, n, max(3, 2000 // max(n, 1)))
+            reps = max(3, 2000 // max(n, 1))
+            slices = fresh_slices(pool, n, reps)
             t0 = time.perf_counter()
             for rows in slices:
                 fn(rows)
-            reps = len(slices)
             cells.append(f"{n} rows {(time.perf_counter() - t0) / reps * 1e6:,.0f}")
         lines.append(f"  {name:>22}: {', '.join(cells)} (diff {diff:.1e})")
     return "\n".join(lines)

@@ -580,13 +580,13 @@ def serve_bench(
         # whichever candidate its ghosts rank first (on this workload LRU: the lines under
         # the table say how many requests each served); "model" is the model alone, every
         # request scored by it: the learned path's own speed.
-        configs: list[tuple[str, str, dict[str, Any]]] = [
-            ("lru", "lru", {}),
-            ("learned", model, {}),
-            ("model", model, {"guard": False}),
+        configs: list[tuple[str, str, str, dict[str, Any]]] = [  # name, row title, model
+            ("lru", "lru", "lru", {}),
+            ("learned", "learned", model, {}),
+            ("model", "model (no guard)", model, {"guard": False}),
         ]
         file_runs = []
-        for name, spec, extra in configs:
+        for name, title, spec, extra in configs:
             kwargs = {
                 **common,
                 **extra,
@@ -594,8 +594,7 @@ def serve_bench(
                 "model": spec,
                 "decisions": (f"file:{tmp / (name + '.jsonl')}",),
             }
-            label = "file  model (no guard)" if name == "model" else f"file  {name}"
-            file_runs.append(run_once(label, kwargs))
+            file_runs.append(run_once(f"file  {title}", kwargs))
         _print(file_runs, file_runs[0])
         fractions = [float(f) for f in rates.split(",") if f.strip()]
         if fractions:
@@ -608,7 +607,7 @@ def serve_bench(
                 "memory (latency per event from its arrival to its decisions' commit):"
             )
             maxima = []
-            for (name, spec, extra), saturated in zip(configs, file_runs, strict=True):
+            for (name, _, spec, extra), saturated in zip(configs, file_runs, strict=True):
                 label = f"open  {name}"
                 kwargs = {
                     **common,
@@ -668,10 +667,11 @@ def serve_bench(
             }
             return run_once(label, kwargs)
 
-        for name, spec, extra in configs:
-            label = "kafka model (no guard)" if name == "model" else f"kafka {name}"
+        for name, title, spec, extra in configs:
             kafka_runs.append(
-                saturated_kafka(label, spec, extra, trace, f"kvwarm.bench.events.{name}.{tag}")
+                saturated_kafka(
+                    f"kafka {title}", spec, extra, trace, f"kvwarm.bench.events.{name}.{tag}"
+                )
             )
         click.echo("")
         _print(kafka_runs, kafka_runs[0])
@@ -683,7 +683,7 @@ def serve_bench(
                 f"{load_settings(None, **common).kafka_commit_interval_ms} ms):"
             )
             kafka_maxima = []
-            for (name, spec, extra), saturated in zip(configs, kafka_runs, strict=True):
+            for (name, _, spec, extra), saturated in zip(configs, kafka_runs, strict=True):
                 label = f"kafka open  {name}"
                 pace = saturated.events / saturated.elapsed_s
                 live = saturated_kafka(

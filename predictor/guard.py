@@ -513,9 +513,10 @@ class GuardedPolicy(Policy):
         self.chosen = p.initial
         self.served_requests: dict[str, int] = dict.fromkeys(names, 0)
         """Requests each candidate served since this guard was assembled (the sidecar's
-        start, or the hot swap that brought its model; a counter, as Prometheus keeps
-        one: not checkpointed, it steers nothing). A learned sidecar's speed and hit
-        ratio are the model's only as far as the model served."""
+        start, or the hot swap that brought its model) or its estimates restarted (after
+        a replay's warm-up); a counter, as Prometheus keeps one: not checkpointed, it
+        steers nothing. A learned sidecar's speed and hit ratio are the model's only as
+        far as the model served."""
         self._chosen_since = 0
         self._decay_per_access = 0.5 ** (1.0 / p.half_life_accesses)
 
@@ -585,11 +586,12 @@ class GuardedPolicy(Policy):
         kept: the next choice is made on what the stream shows from now on (after
         ``min_sampled_accesses``). For a replay whose guard warmed on the model's own
         training requests, where the model's ghost hits more than it will anywhere
-        else."""
+        else. Those warm-up requests were not served: ``served_requests`` restarts too."""
         for scale in self.scales.values():
             scale.hits = dict.fromkeys(scale.hits, 0.0)
             scale.accesses = 0.0
             scale.num_sampled = 0
+        self.served_requests = dict.fromkeys(self.served_requests, 0)
         self.chosen = self.params.initial
         self._chosen_since = self.num_requests - self.params.min_requests_between_switches
 
