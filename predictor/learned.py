@@ -183,6 +183,14 @@ class LearnedPolicy(Policy):
         returns, has_chain = chain.block_scores(hashes, now_ms)
         return chain.blend.apply(scores, returns, has_chain)
 
+    def refit(
+        self, x: np.ndarray, y: np.ndarray, *, time_to_next_ms: np.ndarray | None = None
+    ) -> bool:
+        """Fit again on the training and validation rows together with the validated
+        settings (``training.train.refit_on_training_span``); False where the model does
+        not (the LSTM keeps its validated fit: not measured)."""
+        return False
+
     def predict_features(self, features: np.ndarray) -> np.ndarray:
         """Probability of reuse within the horizon per feature row (float32)."""
         if not self.fitted:

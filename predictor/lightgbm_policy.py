@@ -41,7 +41,7 @@ from pydantic import Field
 
 from predictor.base import PolicyLoadError, PolicyParams
 from predictor.compiled_trees import CompiledTrees, compile_ensemble
-from predictor.learned import LearnedParams, LearnedPolicy
+from predictor.learned import LearnedParams, LearnedPolicy, NotFittedError
 from predictor.model_check import read_model_text, without_tree_sizes
 from predictor.trees import TreeEnsemble, parse_lightgbm_model
 
@@ -201,6 +201,29 @@ class LightGBMPolicy(LearnedPolicy):
             ),
         }
         return self
+
+    def refit(
+        self, x: np.ndarray, y: np.ndarray, *, time_to_next_ms: np.ndarray | None = None
+    ) -> bool:
+        """Fit again on ``x`` (the training and validation rows together, once every
+        choice that needed the validation rows is made), with as many trees as early
+        stopping kept: the validated settings, and the most recent rows too, which sit
+        nearest the requests the model will score. ``training_info["refit"]`` records
+        it; the rest of ``training_info`` (curve, importances) stays the validated fit's.
+        See ``training.train.refit_on_training_span`` for what it measured."""
+        if not self.fitted or self.model is None:
+            raise NotFittedError(f"{self.name} policy has no model to refit")
+        rounds = max(1, int(self.training_info.get("best_iteration") or 1))
+        data = lgb.Dataset(
+            x,
+            self._target(y, time_to_next_ms),
+            feature_name=list(self.feature_names),
+            free_raw_data=True,
+        )
+        booster = lgb.train(self._lgb_params(), data, num_boost_round=rounds)
+        self.model = tree_model(booster.model_to_string())
+        self.training_info["refit"] = {"rows": int(x.shape[0]), "trees": rounds}
+        return True
 
     def _predict(self, features: np.ndarray) -> np.ndarray:
         assert self.model is not None

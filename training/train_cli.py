@@ -107,6 +107,13 @@ def _parse_params(pairs: tuple[str, ...]) -> dict[str, Any]:
     help="Move --alias only if the model beats LRU, LFU and prefix LRU on the held-out "
     "part (single-tier hit ratio at 1/5/10%); a refused model is registered without it.",
 )
+@click.option(
+    "--refit/--no-refit",
+    default=True,
+    show_default=True,
+    help="Once the validation rows have made their choices, fit the model again on the "
+    "training and validation rows together (the newest requests too), before the gate.",
+)
 @click.option("--no-progress", is_flag=True, help="No progress bars.")
 def train(
     trace: Path,
@@ -121,6 +128,7 @@ def train(
     save_dir: Path | None,
     tracking_uri: str | None,
     gate: bool,
+    refit: bool,
     no_progress: bool,
 ) -> None:
     """Train a learned policy on a trace and log the run to MLflow."""
@@ -142,6 +150,7 @@ def train(
             seed=seed,
             model_params=_parse_params(params),
             gate=gate,
+            refit=refit,
         )
         result = run_tracked(
             trace,
