@@ -188,7 +188,8 @@ class LearnedPolicy(Policy):
     ) -> bool:
         """Fit again on the training and validation rows together with the validated
         settings (``training.train.refit_on_training_span``); False where the model does
-        not (the LSTM keeps its validated fit: not measured)."""
+        not (the LSTM keeps its validated fit: a refit for its validated epochs was
+        measured and not kept, see ``training.train.refit_on_training_span``)."""
         return False
 
     def predict_features(self, features: np.ndarray) -> np.ndarray:
