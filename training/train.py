@@ -818,6 +818,7 @@ def log_training_run(
         "chain_model": result.chain_note or "none",
         "horizon_choice": policy.training_info.get("horizon", "given"),
         "fit_choice": policy.training_info.get("fit", "none: the horizon or params were given"),
+        "refit": _refit_param(policy),
     }
     metrics: dict[str, float] = {}
     validation = result.validation
@@ -1170,6 +1171,14 @@ def fit_policy_on_events(
     if refit:
         log.info(refit_on_training_span(policy, dataset))
     return policy
+
+
+def _refit_param(policy: LearnedPolicy) -> str:
+    """What the refit did, for the run's params: rows and trees, or why not."""
+    info = policy.training_info.get("refit")
+    if info is None:
+        return "none: the validated fit (--no-refit, or a model that does not refit)"
+    return f"{info['rows']} rows, {info['trees']} trees"
 
 
 def refit_on_training_span(policy: LearnedPolicy, rows: Dataset) -> str:

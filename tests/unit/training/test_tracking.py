@@ -60,6 +60,9 @@ def test_run_has_params_metrics_and_plots(tracked):
     # A given horizon and params: no fit choice was made, and the run says so.
     assert params["fit_choice"] == "none: the horizon or params were given"
     assert params["model.num_leaves"] == "15"
+    # Refitted on the training and validation rows with the validated trees, and it says so.
+    refit = result.policy.training_info["refit"]
+    assert params["refit"] == f"{refit['rows']} rows, {refit['trees']} trees"
     for key in ("roc_auc", "pr_auc", "log_loss", "precision_at_1pct", "recall_at_10pct"):
         assert key in metrics, key
         assert metrics[key] == pytest.approx(result.evaluations["lightgbm"].metrics[key])
