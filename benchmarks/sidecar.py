@@ -416,6 +416,7 @@ def _produce_paced(
     with KafkaEventProducer(
         bootstrap, topic, client_id="kvwarm-bench-open", linger_ms=0
     ) as producer:
+        producer.warm_up()  # its producer id (librdkafka's idempotence) before the clock
         start = time.monotonic()
         for i, event in enumerate(events):
             delay = start + i / rate_events_per_s - time.monotonic()
@@ -453,7 +454,7 @@ def kafka_open_loop(
             commit_interval_ms=settings.kafka_commit_interval_ms,
         )
     )
-    source.inner.poll(1, timeout_ms=10_000)  # join the group before the clock starts
+    source.inner.wait_assigned(10)  # join the group before the clock starts
     service = Service(settings, source=source)  # type: ignore[arg-type]
     # spawn, not fork: this process runs kafka-python's network threads.
     ctx = multiprocessing.get_context("spawn")

@@ -186,9 +186,10 @@ def test_the_source_reads_partitions_added_while_it_runs(
     kafka_bootstrap: str, unique_topic: Callable[[str], str]
 ) -> None:
     """Partitions added to the events topic while the sidecar consumes it: the group
-    leader rejoins for the metadata change (the rejoin kafka-python 3.0 can leave
-    unfinished: ``heal_stalled_join``) and the source reads the new partitions too,
-    polled every 5 ms."""
+    leader rejoins for the metadata change and the source reads the new partitions too,
+    polled every 5 ms. (Written for kafka-python 3.0, which left that rejoin unfinished
+    until ``heal_stalled_join``; the source runs on librdkafka now, and the test stays
+    as the contract.)"""
     import msgspec
     from kafka.admin import KafkaAdminClient, NewPartitions
 

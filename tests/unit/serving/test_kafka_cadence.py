@@ -1,6 +1,7 @@
 """Flush/commit cadence of the sidecar and the Kafka clients' latency settings, without
 a broker: batch sizing in ``MeteredSource`` (flush not charged per event, catch-up
-batches behind a backlog), the consumer's idle backoff, producers' metadata warm-up."""
+batches behind a backlog), producers' metadata warm-up and their failure when no broker
+answers, the security settings in librdkafka's names."""
 
 from __future__ import annotations
 
@@ -9,13 +10,12 @@ from types import SimpleNamespace
 from typing import Any
 
 import pytest
-from kafka.errors import KafkaTimeoutError
 
 import serving.kafka_io as kafka_io
 import serving.serve_cli as serve_cli
 from features.events import BlocksAccessed
 from serving.http import SidecarMetrics
-from serving.kafka_io import ConnectOptions, KafkaDecisionSink, KafkaEventSource
+from serving.kafka_io import ConnectOptions, KafkaDecisionSink
 from serving.serve_cli import MeteredSource
 
 
@@ -114,74 +114,68 @@ def test_catch_up_never_asks_past_the_batch_size(clock: _Clock) -> None:
 # --- Kafka clients (fakes: no broker) ------------------------------------------------------
 
 
-class _FakeConsumer:
-    built: list[dict[str, Any]] = []
-
-    def __init__(self, **cfg: Any) -> None:
-        _FakeConsumer.built.append(cfg)
-        self.config = {"retry_backoff_ms": 100, **cfg}
-
-    def partitions_for_topic(self, topic: str) -> set[int]:
-        return {0}
-
-    def subscribe(self, topics: list[str], listener: Any = None) -> None: ...
-
-    def close(self, autocommit: bool = True) -> None: ...
-
-
 class _FakeProducer:
-    metadata_asked: list[str] = []
-    fail_metadata = False
+    """Stands in for ``confluent_kafka.Producer``: records which topics' metadata is asked
+    for; ``answers`` False: every metadata request times out (no broker)."""
 
-    def __init__(self, **cfg: Any) -> None:
+    metadata_asked: list[str | None] = []
+    answers = True
+
+    def __init__(self, cfg: dict[str, Any]) -> None:
         self.cfg = cfg
 
-    def partitions_for(self, topic: str) -> set[int]:
+    def list_topics(self, topic: str | None = None, timeout: float = -1) -> object:
         _FakeProducer.metadata_asked.append(topic)
-        if _FakeProducer.fail_metadata:
-            raise KafkaTimeoutError("no metadata")
-        return {0}
+        if not _FakeProducer.answers:
+            raise kafka_io.rdk.KafkaException(
+                kafka_io.rdk.KafkaError(kafka_io.rdk.KafkaError._TRANSPORT)  # noqa: SLF001
+            )
+        return object()
 
-    def flush(self, timeout: float | None = None) -> None: ...
+    def flush(self, timeout: float = -1) -> int:
+        return 0
 
-    def close(self, timeout: float | None = None) -> None: ...
-
-
-NO_PROBE = ConnectOptions(probe_s=0)
+    def close(self) -> None: ...
 
 
-def test_the_consumer_sleeps_briefly_when_poll_finds_nothing_to_wait_on(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    monkeypatch.setattr(kafka_io, "KafkaConsumer", _FakeConsumer)
-    _FakeConsumer.built.clear()
-    source = KafkaEventSource("127.0.0.1:1", "events", options=NO_PROBE)
-    # Only the consumer's own copy changes (its poll's idle sleep); what its fetcher and
-    # coordinator were built with (error retries) keeps kafka-python's default.
-    assert source._consumer.config["retry_backoff_ms"] == 10
-    assert "retry_backoff_ms" not in _FakeConsumer.built[-1]
-    source = KafkaEventSource("127.0.0.1:1", "events", options=NO_PROBE, idle_backoff_ms=0)
-    assert source._consumer.config["retry_backoff_ms"] == 0
-    with pytest.raises(ValueError, match="idle backoff"):
-        KafkaEventSource("127.0.0.1:1", "events", options=NO_PROBE, idle_backoff_ms=-1)
+NO_PROBE = ConnectOptions(probe_s=0, attempts=2, backoff_s=0.0)
 
 
 def test_producers_learn_their_topic_before_the_first_send(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    monkeypatch.setattr(kafka_io, "KafkaProducer", _FakeProducer)
-    _FakeProducer.metadata_asked.clear()
-    _FakeProducer.fail_metadata = False
+    monkeypatch.setattr(kafka_io.rdk, "Producer", _FakeProducer)
+    monkeypatch.setattr(_FakeProducer, "metadata_asked", [])
     KafkaDecisionSink("127.0.0.1:1", "decisions", options=NO_PROBE)
     kafka_io.KafkaEventProducer("127.0.0.1:1", "events", options=NO_PROBE)
     assert _FakeProducer.metadata_asked == ["decisions", "events"]
 
 
-def test_a_producer_is_built_even_when_metadata_is_not_there_yet(
-    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+def test_a_producer_no_broker_answers_fails_naming_the_address(
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    monkeypatch.setattr(kafka_io, "KafkaProducer", _FakeProducer)
-    monkeypatch.setattr(_FakeProducer, "fail_metadata", True)
-    sink = KafkaDecisionSink("127.0.0.1:1", "decisions", options=NO_PROBE)
-    assert sink.topic == "decisions"
-    assert "no metadata for topic decisions" in caplog.text
+    monkeypatch.setattr(kafka_io.rdk, "Producer", _FakeProducer)
+    monkeypatch.setattr(_FakeProducer, "metadata_asked", [])
+    monkeypatch.setattr(_FakeProducer, "answers", False)
+    with pytest.raises(kafka_io.KafkaUnavailableError, match=r"127\.0\.0\.1:1 .* 2 tries"):
+        KafkaDecisionSink("127.0.0.1:1", "decisions", options=NO_PROBE)
+    assert _FakeProducer.metadata_asked == ["decisions", "decisions"]
+
+
+def test_security_settings_reach_librdkafka_by_its_names() -> None:
+    security = kafka_io.KafkaSecurity(
+        security_protocol="SASL_SSL",
+        sasl_mechanism="SCRAM-SHA-512",
+        sasl_username="svc",
+        sasl_password="s3cret",
+        ssl_cafile="ca.pem",
+        ssl_check_hostname=False,
+    )
+    assert security.librdkafka_config() == {
+        "security.protocol": "SASL_SSL",
+        "sasl.mechanism": "SCRAM-SHA-512",
+        "sasl.username": "svc",
+        "sasl.password": "s3cret",
+        "ssl.ca.location": "ca.pem",
+        "ssl.endpoint.identification.algorithm": "none",
+    }
