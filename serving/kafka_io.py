@@ -79,6 +79,8 @@ HEADER_SOURCE_OFFSET = "kvwarm.dlq.source.offset"
 
 DLQ_FLUSH_TIMEOUT_S = 30.0
 """How long ``commit`` waits for dead letters to be acknowledged before it fails."""
+CLOSE_TIMEOUT_S = 1.0
+"""How long ``KafkaEventSource.close`` waits for dead letters and for a broker."""
 QUEUE_FULL_WAIT_S = 120.0
 IDEMPOTENCE_START_S = 0.6
 """librdkafka's retry timer for an idempotent producer's id (500 ms), and a margin."""
@@ -216,8 +218,22 @@ class _LibrdkafkaLog:
 _LIBRDKAFKA_LOG = _LibrdkafkaLog()
 
 
+_ERROR_REPEAT_S = 30.0
+_last_errors: dict[str, float] = {}
+
+
 def _client_error(error: rdk.KafkaError) -> None:
-    log.warning("Kafka client: %s", error)
+    """librdkafka's client errors as warnings; the same error again within
+    ``_ERROR_REPEAT_S`` at debug level (a broker that is away is reported on every
+    reconnect try, about once a second)."""
+    text = str(error)
+    now = time.monotonic()
+    repeat = now - _last_errors.get(text, -_ERROR_REPEAT_S) < _ERROR_REPEAT_S
+    if not repeat:
+        if len(_last_errors) > 1_000:
+            _last_errors.clear()
+        _last_errors[text] = now
+    log.log(logging.DEBUG if repeat else logging.WARNING, "Kafka client: %s", error)
 
 
 def _rd_config(
@@ -501,8 +517,9 @@ class KafkaEventSource:
       for the first message, and takes what came with it).
     - ``commit()``: after the loop emitted the decisions for everything polled so far.
       Waits for dead letters to be acknowledged, then commits the next offset of every
-      fully handed-out message, synchronously. A commit lost to a rebalance only means
-      those events are delivered again (to whoever owns the partition).
+      fully handed-out message, asynchronously (the broker's answer is taken in a later
+      ``poll``: see ``_send_done``). A commit lost to a rebalance or to a broker that
+      is away only means those events are delivered again.
     - ``commit_interval_ms`` > 0 (``kvwarm serve``: ``kafka_commit_interval_ms``, 100
       by default): ``commit()`` still marks everything handed out as done (its dead
       letters acknowledged), but sends the offsets to the broker at most once per
@@ -517,7 +534,8 @@ class KafkaEventSource:
       commit's round trip; alternating 0 and 100 ms in one session, LightGBM's p99 was
       23.5-27.7 ms at 100 against 41.3-49.5 ms at 0. 0: every ``commit()`` goes to the
       broker.
-    - ``close()``: sends the offsets marked done and not yet sent, then leaves the group.
+    - ``close()``: sends the offsets marked done and not yet sent, then leaves the group,
+      within a few seconds even when the broker is gone (see ``close``).
 
     Rebalances are handled on the loop's own thread, inside ``poll`` (librdkafka calls
     back from its consume call): the revoked partitions' offsets marked done are
@@ -577,6 +595,7 @@ class KafkaEventSource:
             # Partitions added to a topic (or a topic created after subscribing) are seen
             # within this long.
             "topic.metadata.refresh.interval.ms": metadata_max_age_ms,
+            "on_commit": self._committed_cb,
         }
         if group_instance_id is not None:
             consumer_cfg["group.instance.id"] = group_instance_id
@@ -717,8 +736,11 @@ class KafkaEventSource:
         tps = {TopicPartition(p.topic, p.partition) for p in revoked}
         if self.on_revoked is not None:
             self.on_revoked(tps)
-        # Still this member's: what was handled goes to the broker before they move.
-        self._send_done(only=tps)
+        # Still this member's: what was handled goes to the broker before they move
+        # (waiting: the broker is there, it is running the rebalance). Not when
+        # closing: ``close`` has sent them if a broker was there to take them.
+        if not self._closed:
+            self._send_done(only=tps, wait=True)
         self._forget(tps)
         consumer.unassign()
 
@@ -831,9 +853,13 @@ class KafkaEventSource:
     def _interval_passed(self) -> bool:
         return (time.monotonic() - self._last_sent_s) * 1000 >= self.commit_interval_ms
 
-    def _send_done(self, only: set[TopicPartition] | None = None) -> None:
+    def _send_done(self, only: set[TopicPartition] | None = None, *, wait: bool = False) -> None:
         """Commit the offsets marked done that the broker does not have yet (of the
-        partitions ``only``, when given), synchronously."""
+        partitions ``only``, when given). Asynchronously unless ``wait``: the broker's
+        answer comes back through ``_committed_cb`` from a later poll. librdkafka's
+        synchronous commit waits for a group coordinator for as long as the session
+        timeout when the broker is away, with the loop stopped; an asynchronous one
+        costs the loop nothing either way."""
         offsets = {
             tp: offset
             for tp, offset in self._done.items()
@@ -842,38 +868,67 @@ class KafkaEventSource:
         if not offsets:
             return
         self._last_sent_s = time.monotonic()
+        partitions = [rdk.TopicPartition(tp.topic, tp.partition, o) for tp, o in offsets.items()]
         try:
-            self._consumer.commit(
-                offsets=[
-                    rdk.TopicPartition(tp.topic, tp.partition, o) for tp, o in offsets.items()
-                ],
-                asynchronous=False,
-            )
-        except rdk.KafkaException as exc:
-            self.num_commit_failures += 1
-            error = exc.args[0] if exc.args else None
-            if isinstance(error, rdk.KafkaError) and error.code() in _REBALANCED:
-                log.warning("commit lost to a rebalance; those events will be delivered again: %s", exc)  # fmt: skip
+            if wait:
+                self._committed_cb(
+                    None, self._consumer.commit(offsets=partitions, asynchronous=False)
+                )
             else:
-                # The broker is away (restarting?). Offsets stay committable: the next
-                # commit() covers them, and if this process dies first they come again.
-                log.warning("commit to %s failed, will retry with the next one: %s", self.bootstrap, exc)  # fmt: skip
+                self._consumer.commit(offsets=partitions, asynchronous=True)
+        except rdk.KafkaException as exc:
+            self._commit_failed(exc.args[0] if exc.args else exc)
+
+    def _committed_cb(self, error: rdk.KafkaError | None, partitions: list[Any]) -> None:
+        """librdkafka's answer to a commit (``on_commit``, served from ``consume``)."""
+        failed = error or next((p.error for p in partitions if p.error is not None), None)
+        if failed is not None:
+            self._commit_failed(failed)
             return
         self.num_commits += 1
-        self._committed.update(offsets)
+        for p in partitions:
+            self._committed[TopicPartition(p.topic, p.partition)] = p.offset
+
+    def _commit_failed(self, error: object) -> None:
+        self.num_commit_failures += 1
+        if isinstance(error, rdk.KafkaError) and error.code() in _REBALANCED:
+            log.warning("commit lost to a rebalance; those events will be delivered again: %s", error)  # fmt: skip
+        else:
+            # The broker is away (restarting?). Offsets stay committable: the next
+            # commit() covers them, and if this process dies first they come again.
+            log.warning("commit to %s failed, will retry with the next one: %s", self.bootstrap, error)  # fmt: skip
 
     def close(self) -> None:
+        """Send the offsets marked done and leave the group. Bounded when the broker is
+        away: no commit is sent then (those events are delivered again), and librdkafka's
+        close, which waits up to a session timeout for a commit still in flight, runs on
+        a thread of its own that ``close`` waits for only ``CLOSE_TIMEOUT_S`` (it
+        finishes in the background)."""
         if self._closed:
             return
         self._closed = True
+        broker_there = True
         try:
             if self._dlq is not None:
-                self._dlq.flush(DLQ_FLUSH_TIMEOUT_S)
-            self._send_done()
+                self._dlq.flush(CLOSE_TIMEOUT_S)
+            probe_bootstrap(self.bootstrap, CLOSE_TIMEOUT_S)
+            self._send_done(wait=True)
+        except KafkaUnavailableError as exc:
+            broker_there = False
+            log.warning("offsets not committed at close (they are delivered again): %s", exc)
         except Exception as exc:  # noqa: BLE001 - leaving anyway: the events come again
             log.warning("offsets not committed at close (they are delivered again): %s", exc)
-        finally:
-            self._consumer.close()
+        closer = threading.Thread(
+            target=self._consumer.close, name="kvwarm-consumer-close", daemon=True
+        )
+        closer.start()
+        closer.join(CLOSE_TIMEOUT_S * (3 if broker_there else 0.2))
+        if closer.is_alive():
+            log.warning(
+                "the event consumer is still leaving its group (a commit waits for a broker "
+                "at %s); not waiting for it",
+                self.bootstrap,
+            )
 
     def stats(self) -> dict[str, Any]:
         return {

@@ -75,3 +75,55 @@ def test_producer_and_consumer_survive_a_broker_restart(
     assert producer_errors == []  # every send acknowledged, with no manual action
     assert set(seen) == {e.request_id for e in events}  # nothing lost
     assert stats["dead_letters"] == 0
+
+
+def test_a_source_whose_broker_is_gone_commits_and_closes_without_waiting(
+    own_kafka_broker: KafkaBroker, unique_topic: Callable[[str], str]
+) -> None:
+    """With the broker stopped, ``commit()`` (offsets to send) returns at once and
+    ``close()`` within a few seconds, where librdkafka's synchronous commit and its
+    close each wait up to a session timeout for a coordinator (46 s measured with its
+    default of 45 s). Nothing is lost: once the broker is back, the group's next
+    consumer gets what came after, and of what came before at most what was handled
+    (at least once: the commit in flight may or may not have reached the broker)."""
+    broker = own_kafka_broker
+    bootstrap = broker.bootstrap
+    topic, group = unique_topic("events"), unique_topic("group")
+    ensure_topics(bootstrap, {topic: 1})
+
+    def send(ids: list[int]) -> None:
+        with KafkaEventProducer(bootstrap, topic) as producer:
+            for i in ids:
+                producer.send_event(
+                    BlocksAccessed(
+                        ts_ms=i, request_id=f"r{i}", block_hashes=(i,), block_size_tokens=16
+                    )
+                )
+
+    def read(source: KafkaEventSource, want: str) -> list[str]:
+        got: list[str] = []
+        deadline = time.monotonic() + 90
+        while want not in got:
+            assert time.monotonic() < deadline, f"read {got}, waiting for {want}"
+            got.extend(e.request_id for e in source.poll(100, timeout_ms=200))
+        return got
+
+    send(list(range(10)))
+    source = KafkaEventSource(bootstrap, topic, group_id=group)
+    try:
+        seen = read(source, "r9")
+        assert broker.stop(grace_s=30)
+        started = time.monotonic()
+        source.commit()
+        assert time.monotonic() - started < 5.0
+        source.poll(10, timeout_ms=500)
+        started = time.monotonic()
+        source.close()
+        assert time.monotonic() - started < 5.0
+    finally:
+        source.close()
+        broker.start(timeout_s=90)
+    send([10])
+    with KafkaEventSource(bootstrap, topic, group_id=group) as again:
+        after = read(again, "r10")
+    assert set(after) - {"r10"} <= set(seen)
