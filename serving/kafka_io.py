@@ -1074,12 +1074,21 @@ class _Producer:
             )
 
     def close(self, timeout_s: float = 30) -> None:
+        """Deliver what is queued (raising ``KafkaDeliveryError`` for what could not be),
+        within ``timeout_s``, or ``CLOSE_TIMEOUT_S`` when the broker does not accept a
+        connection; what is left is dropped, since librdkafka's close would otherwise
+        wait the records' whole delivery timeout (120 s) for a broker that is gone."""
         if self._closed:
             return
         self._closed = True
         try:
+            try:
+                probe_bootstrap(self.bootstrap, CLOSE_TIMEOUT_S)
+            except KafkaUnavailableError:
+                timeout_s = min(timeout_s, CLOSE_TIMEOUT_S)
             self.flush(timeout_s)
         finally:
+            self._producer.purge()
             self._producer.close()
 
 

@@ -15,7 +15,13 @@ import pytest
 
 from devtools.kafka_broker import KafkaBroker
 from features.events import BlocksAccessed
-from serving.kafka_io import KafkaEventProducer, KafkaEventSource, ensure_topics
+from serving.kafka_io import (
+    KafkaDecisionSink,
+    KafkaDeliveryError,
+    KafkaEventProducer,
+    KafkaEventSource,
+    ensure_topics,
+)
 
 pytestmark = pytest.mark.integration
 
@@ -81,7 +87,8 @@ def test_a_source_whose_broker_is_gone_commits_and_closes_without_waiting(
     own_kafka_broker: KafkaBroker, unique_topic: Callable[[str], str]
 ) -> None:
     """With the broker stopped, ``commit()`` (offsets to send) returns at once and
-    ``close()`` within a few seconds, where librdkafka's synchronous commit and its
+    ``close()`` within a few seconds (the source's, and a decision sink's holding
+    decisions the broker never took), where librdkafka's synchronous commit and its
     close each wait up to a session timeout for a coordinator (46 s measured with its
     default of 45 s). Nothing is lost: once the broker is back, the group's next
     consumer gets what came after, and of what came before at most what was handled
@@ -110,6 +117,7 @@ def test_a_source_whose_broker_is_gone_commits_and_closes_without_waiting(
 
     send(list(range(10)))
     source = KafkaEventSource(bootstrap, topic, group_id=group)
+    sink = KafkaDecisionSink(bootstrap, unique_topic("decisions"))
     try:
         seen = read(source, "r9")
         assert broker.stop(grace_s=30)
@@ -119,6 +127,13 @@ def test_a_source_whose_broker_is_gone_commits_and_closes_without_waiting(
         source.poll(10, timeout_ms=500)
         started = time.monotonic()
         source.close()
+        assert time.monotonic() - started < 5.0
+        # Decisions the broker never took: close says so, within seconds (librdkafka
+        # would wait their 120 s delivery timeout), and their events were not committed.
+        sink.emit([{"block_hash": 1, "action": "promote"}])
+        started = time.monotonic()
+        with pytest.raises(KafkaDeliveryError, match="1 records"):
+            sink.close()
         assert time.monotonic() - started < 5.0
     finally:
         source.close()
