@@ -82,13 +82,10 @@ DLQ_FLUSH_TIMEOUT_S = 30.0
 CLOSE_TIMEOUT_S = 1.0
 """How long ``KafkaEventSource.close`` waits for dead letters and for a broker."""
 QUEUE_FULL_WAIT_S = 120.0
-IDEMPOTENCE_START_S = 0.6
-"""librdkafka's retry timer for an idempotent producer's id (500 ms), and a margin."""
 """How long a send waits for room in a full producer queue (the records' own delivery
 timeout, ``message.timeout.ms``)."""
-"""How long ``KafkaEventSource.close`` waits to send the offsets held back by its commit
-interval: a broker that is away does not hold up a shutdown (SIGTERM ends the sidecar
-within seconds); what was not sent is delivered again."""
+IDEMPOTENCE_START_S = 0.6
+"""librdkafka's retry timer for an idempotent producer's id (500 ms), and a margin."""
 
 _T = TypeVar("_T")
 
@@ -135,7 +132,6 @@ class KafkaSecurity(BaseSettings):
             if name in _RDKAFKA_NAMES:
                 cfg[_RDKAFKA_NAMES[name]] = value
         if self.security_protocol in ("SSL", "SASL_SSL"):
-            cfg.pop("ssl_check_hostname", None)
             cfg["ssl.endpoint.identification.algorithm"] = (
                 "https" if self.ssl_check_hostname else "none"
             )
@@ -255,19 +251,6 @@ def _rd_config(
     }
 
 
-def _unavailable(
-    what: str, bootstrap: str, options: ConnectOptions, tries: int, exc: object
-) -> str:
-    total_s = tries * options.attempt_timeout_ms / 1000
-    return (
-        f"no Kafka broker answered at {bootstrap} for the {what} after {tries} tries "
-        f"(~{total_s:.0f} s; last error: {exc}). Check that a broker is running there "
-        "(`kvwarm kafka status`, or `kvwarm kafka up` for a local one), that the host "
-        "and port are right (KVWARM_KAFKA_BOOTSTRAP), and that the security settings "
-        "(KVWARM_KAFKA_SECURITY_PROTOCOL, SASL/SSL) match the broker's listener."
-    )
-
-
 def _rd_connect(
     what: str,
     bootstrap: str,
@@ -276,26 +259,17 @@ def _rd_connect(
     topic: str | None,
 ) -> None:
     """A librdkafka client connects in the background and builds without a broker: ask
-    it for ``topic``'s metadata (every topic's when None), a bounded number of times,
-    so that a broker nobody can reach fails here with ``KafkaUnavailableError``, as
-    ``_connect`` does for kafka-python's clients, and the first send or fetch does not
-    wait for the metadata."""
-    if options.probe_s > 0:
-        probe_bootstrap(bootstrap, options.probe_s)
-    delay_s = options.backoff_s
-    for attempt in range(1, options.attempts + 1):
-        try:
-            client.list_topics(topic, timeout=options.attempt_timeout_ms / 1000)
-            return
-        except rdk.KafkaException as exc:
-            if attempt == options.attempts:
-                raise KafkaUnavailableError(
-                    _unavailable(what, bootstrap, options, attempt, exc)
-                ) from exc
-            log.warning("%s: no broker at %s (try %d/%d): %s", what, bootstrap, attempt,
-                        options.attempts, exc)  # fmt: skip
-            time.sleep(delay_s)
-            delay_s *= 2
+    it for ``topic``'s metadata (every topic's when None) through ``_connect``'s bounded
+    retries, so that a broker nobody can reach fails here with ``KafkaUnavailableError``
+    as kafka-python's clients do, and the first send or fetch does not wait for the
+    metadata."""
+    _connect(
+        what,
+        bootstrap,
+        options,
+        lambda: client.list_topics(topic, timeout=options.attempt_timeout_ms / 1000),
+        retry_on=(rdk.KafkaException,),
+    )
 
 
 def probe_bootstrap(bootstrap: str, within_s: float) -> None:
@@ -330,18 +304,31 @@ def probe_bootstrap(bootstrap: str, within_s: float) -> None:
     )
 
 
-def _connect(what: str, bootstrap: str, options: ConnectOptions, factory: Callable[[], _T]) -> _T:
-    """Build a client, retrying a bounded number of times while no broker answers."""
+def _connect(
+    what: str,
+    bootstrap: str,
+    options: ConnectOptions,
+    factory: Callable[[], _T],
+    *,
+    retry_on: tuple[type[Exception], ...] = (KafkaTimeoutError,),
+) -> _T:
+    """Build a client (``factory``), retrying a bounded number of times while it raises
+    ``retry_on`` (no broker answers)."""
     if options.probe_s > 0:
         probe_bootstrap(bootstrap, options.probe_s)
     delay_s = options.backoff_s
     for attempt in range(1, options.attempts + 1):
         try:
             return factory()
-        except KafkaTimeoutError as exc:
+        except retry_on as exc:
             if attempt == options.attempts:
+                total_s = options.attempts * options.attempt_timeout_ms / 1000
                 raise KafkaUnavailableError(
-                    _unavailable(what, bootstrap, options, attempt, exc)
+                    f"no Kafka broker answered at {bootstrap} for the {what} after {attempt} tries "
+                    f"(~{total_s:.0f} s; last error: {exc}). Check that a broker is running there "
+                    "(`kvwarm kafka status`, or `kvwarm kafka up` for a local one), that the host "
+                    "and port are right (KVWARM_KAFKA_BOOTSTRAP), and that the security settings "
+                    "(KVWARM_KAFKA_SECURITY_PROTOCOL, SASL/SSL) match the broker's listener."
                 ) from exc
             log.warning(
                 "%s: no broker at %s (try %d/%d): %s",
@@ -611,15 +598,8 @@ class KafkaEventSource:
             on_revoke=self._revoked,
             on_lost=self._lost,
         )
-        self._dlq_config = {
-            **base,
-            "client.id": client_id + "-dlq",
-            "enable.idempotence": True,
-            "acks": "all",
-        }
-        self._dlq_options = options
-        self._dlq: rdk.Producer | None = None  # created on the first dead letter
-        self._dlq_errors: list[str] = []
+        self._dlq_client = (client_id + "-dlq", security, options)
+        self._dlq: _Producer | None = None  # created on the first dead letter
         self._pending: deque[_Fetched] = deque()
         self._committable: dict[TopicPartition, int] = {}
         """Next offset per partition of what was handed out (handled or not)."""
@@ -663,12 +643,7 @@ class KafkaEventSource:
                 messages = consume(1, timeout_ms / 1000)
                 if messages and max_events > 1:
                     messages += consume(max_events - 1, 0)
-            for message in messages:
-                error = message.error()
-                if error is not None:
-                    self._fetch_error(error)
-                    continue
-                self._pending.append(self._decode(_Message(message)))
+            self._take(messages)
         out: list[Event] = []
         partitions: list[TopicPartition] = []
         while self._pending and len(out) < max_events:
@@ -699,19 +674,23 @@ class KafkaEventSource:
         while not self._consumer.assignment():
             if time.monotonic() >= deadline:
                 return False
-            for message in self._consumer.consume(1, 0.05):
-                if message.error() is None:
-                    self._pending.append(self._decode(_Message(message)))
+            self._take(self._consumer.consume(1, 0.05))
         return True
 
-    def _fetch_error(self, error: rdk.KafkaError) -> None:
-        """A fetch or group error librdkafka reports in the stream (a topic not created
-        yet, a broker away): it retries by itself; counted and logged, never raised."""
-        self.num_fetch_errors += 1
-        if error.fatal():
-            log.error("Kafka consumer error (fatal; restart the sidecar): %s", error)
-        else:
-            log.warning("Kafka consumer: %s", error)
+    def _take(self, messages: list[rdk.Message]) -> None:
+        """Decode consumed messages into ``_pending``. A fetch or group error librdkafka
+        reports in the stream (a topic not created yet, a broker away) is counted and
+        logged, never raised: the client retries by itself."""
+        for message in messages:
+            error = message.error()
+            if error is None:
+                self._pending.append(self._decode(_Message(message)))
+                continue
+            self.num_fetch_errors += 1
+            if error.fatal():
+                log.error("Kafka consumer error (fatal; restart the sidecar): %s", error)
+            else:
+                log.warning("Kafka consumer: %s", error)
 
     def positions(self) -> dict[TopicPartition, tuple[int, int]]:
         """Where each partition handed out so far stands: (next offset, events of the
@@ -733,24 +712,25 @@ class KafkaEventSource:
         consumer.assign(assigned)
 
     def _revoked(self, consumer: rdk.Consumer, revoked: list[rdk.TopicPartition]) -> None:
-        tps = {TopicPartition(p.topic, p.partition) for p in revoked}
-        if self.on_revoked is not None:
-            self.on_revoked(tps)
         # Still this member's: what was handled goes to the broker before they move
         # (waiting: the broker is there, it is running the rebalance). Not when
         # closing: ``close`` has sent them if a broker was there to take them.
-        if not self._closed:
-            self._send_done(only=tps, wait=True)
-        self._forget(tps)
-        consumer.unassign()
+        self._give_up(consumer, revoked, commit=not self._closed)
 
     def _lost(self, consumer: rdk.Consumer, lost: list[rdk.TopicPartition]) -> None:
         """Partitions taken without a revoke (the session expired): nothing can be
         committed for them any more."""
-        tps = {TopicPartition(p.topic, p.partition) for p in lost}
-        log.warning("partitions lost (session expired?): %s", sorted(tps))
+        log.warning("partitions lost (session expired?): %s", sorted((p.topic, p.partition) for p in lost))  # fmt: skip
+        self._give_up(consumer, lost, commit=False)
+
+    def _give_up(
+        self, consumer: rdk.Consumer, partitions: list[rdk.TopicPartition], *, commit: bool
+    ) -> None:
+        tps = {TopicPartition(p.topic, p.partition) for p in partitions}
         if self.on_revoked is not None:
             self.on_revoked(tps)
+        if commit:
+            self._send_done(only=tps, wait=True)
         self._forget(tps)
         consumer.unassign()
 
@@ -803,16 +783,12 @@ class KafkaEventSource:
         self, key: bytes | None, value: bytes | None, headers: list[tuple[str, bytes]]
     ) -> None:
         if self._dlq is None:
-            self._dlq = rdk.Producer(self._dlq_config)
-            _rd_connect(
-                "dead-letter producer", self.bootstrap, self._dlq_options, self._dlq,
-                self.dead_letter_topic,
+            client_id, security, options = self._dlq_client
+            self._dlq = _Producer(
+                "dead-letter producer", self.bootstrap, self.dead_letter_topic,
+                client_id=client_id, linger_ms=5, security=security, options=options,
             )  # fmt: skip
-        _produce(self._dlq, self.dead_letter_topic, key, value, headers, None, self._dlq_failed)
-
-    def _dlq_failed(self, error: rdk.KafkaError | None, _message: rdk.Message) -> None:
-        if error is not None:
-            self._dlq_errors.append(str(error))
+        self._dlq.send_record(value, key=key, headers=headers)
 
     def dead_letter(self, event: Event, reason: str, error: str) -> None:
         """The loop could not handle ``event`` (decoded from a message already handed
@@ -836,15 +812,9 @@ class KafkaEventSource:
 
     def commit(self) -> None:
         if self._dlq is not None:
-            left = self._dlq.flush(DLQ_FLUSH_TIMEOUT_S)
-            if left or self._dlq_errors:
-                errors, self._dlq_errors = self._dlq_errors, []
-                # Not committing: the failed messages will be read (and dead-lettered) again.
-                raise KafkaDeliveryError(
-                    f"{len(errors) + left} dead letters were not acknowledged by "
-                    f"{self.bootstrap} (topic {self.dead_letter_topic}); first error: "
-                    f"{errors[0] if errors else f'none within {DLQ_FLUSH_TIMEOUT_S:.0f} s'}"
-                )
+            # Raises KafkaDeliveryError for dead letters not acknowledged: not committing
+            # then, the failed messages will be read (and dead-lettered) again.
+            self._dlq.flush(DLQ_FLUSH_TIMEOUT_S)
         self._done = dict(self._committable)  # everything handed out is handled now
         if self.commit_interval_ms and not self._interval_passed():
             return  # sent with a later commit or poll, or at close
@@ -910,7 +880,11 @@ class KafkaEventSource:
         broker_there = True
         try:
             if self._dlq is not None:
-                self._dlq.flush(CLOSE_TIMEOUT_S)
+                try:
+                    self._dlq.flush(CLOSE_TIMEOUT_S)
+                except KafkaDeliveryError as exc:
+                    log.warning("closing the event source: %s", exc)
+                self._dlq.release()
             probe_bootstrap(self.bootstrap, CLOSE_TIMEOUT_S)
             self._send_done(wait=True)
         except KafkaUnavailableError as exc:
@@ -946,39 +920,6 @@ class KafkaEventSource:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-def _produce(
-    producer: rdk.Producer,
-    topic: str,
-    key: bytes | None,
-    value: bytes | None,
-    headers: Sequence[tuple[str, bytes]] | None,
-    partition: int | None,
-    on_delivery: Callable[[rdk.KafkaError | None, rdk.Message], None],
-) -> None:
-    """One record into librdkafka's queue; when the queue is full (the broker away for a
-    while), serve delivery reports until there is room, for at most the records' own
-    delivery timeout, then raise ``KafkaDeliveryError``. Delivery reports of earlier
-    records are served here (``poll(0)``), so failures surface before ``flush``."""
-    kwargs: dict[str, Any] = {"key": key, "value": value, "on_delivery": on_delivery}
-    if headers:
-        kwargs["headers"] = list(headers)
-    if partition is not None:
-        kwargs["partition"] = partition
-    deadline = time.monotonic() + QUEUE_FULL_WAIT_S
-    while True:
-        try:
-            producer.produce(topic, **kwargs)
-            break
-        except BufferError as exc:
-            if time.monotonic() >= deadline:
-                raise KafkaDeliveryError(
-                    f"the producer's queue for topic {topic} stayed full for "
-                    f"{QUEUE_FULL_WAIT_S:.0f} s: is the broker reachable?"
-                ) from exc
-            producer.poll(0.1)
-    producer.poll(0)
 
 
 # --- producers ------------------------------------------------------------------------------
@@ -1055,10 +996,31 @@ class _Producer:
     ) -> None:
         """Any payload with a key and headers, to ``topic`` (default: this producer's) and,
         when given, one ``partition``. Failures surface in ``flush`` like every other
-        record. The ZMQ bridge forwards engine events and their dead letters through it."""
-        _produce(
-            self._producer, topic or self.topic, key, value, headers, partition, self._delivered
-        )
+        record. The ZMQ bridge forwards engine events and their dead letters through it.
+
+        When librdkafka's queue is full (the broker away for a while), delivery reports
+        are served until there is room, for at most the records' own delivery timeout,
+        then ``KafkaDeliveryError``; reports of earlier records are served at each send
+        (``poll(0)``), so failures surface before ``flush``."""
+        topic = topic or self.topic
+        kwargs: dict[str, Any] = {"key": key, "value": value, "on_delivery": self._delivered}
+        if headers:
+            kwargs["headers"] = list(headers)
+        if partition is not None:
+            kwargs["partition"] = partition
+        deadline = time.monotonic() + QUEUE_FULL_WAIT_S
+        while True:
+            try:
+                self._producer.produce(topic, **kwargs)
+                break
+            except BufferError as exc:
+                if time.monotonic() >= deadline:
+                    raise KafkaDeliveryError(
+                        f"the producer's queue for topic {topic} stayed full for "
+                        f"{QUEUE_FULL_WAIT_S:.0f} s: is the broker reachable?"
+                    ) from exc
+                self._producer.poll(0.1)
+        self._producer.poll(0)
         self.num_sent += 1
 
     def flush(self, timeout_s: float | None = None) -> None:
@@ -1088,8 +1050,14 @@ class _Producer:
                 timeout_s = min(timeout_s, CLOSE_TIMEOUT_S)
             self.flush(timeout_s)
         finally:
-            self._producer.purge()
-            self._producer.close()
+            self.release()
+
+    def release(self) -> None:
+        """Drop what is still queued (after a ``flush`` that said what was lost) and free
+        the client."""
+        self._closed = True
+        self._producer.purge()
+        self._producer.close()
 
 
 class KafkaChangelog(_Producer):
