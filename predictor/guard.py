@@ -49,7 +49,11 @@ the serving one by both margins (``switch_margin``, ``switch_margin_relative``);
 to LRU (``initial``, the safe one) instead whenever LRU is within those margins of the
 leader; and back to LRU at once when LRU leads the serving one, while leaving LRU, or
 moving between two other candidates, waits until the serving one has served
-``min_requests_between_switches`` requests. ``restart_estimates`` forgets every
+``min_requests_between_switches`` requests, except that LRU is left at once for a
+leader whose mean lead over it per request is ``leave_early_z`` (3) standard errors or
+more on every scale (``_Scale.lead_z``; requests taken as independent, which
+overstates the certainty of hits that come a conversation at a time, hence 3).
+``restart_estimates`` forgets every
 estimate and serves LRU again, ghosts kept: the replays call it after warming the guard
 on the model's training tail, where the model's own ghost hits more than it will on
 requests it was not fitted on, so the choice is made on those alone, as a sidecar
@@ -94,6 +98,22 @@ requests between switches gave the same rows) was lower at 6 of 9 rows, higher a
 seed 0 agent 0.0813 / 0.2949 / 0.4481 and chat 0.0275 / 0.0412 / 0.0622 at 1 / 5 / 10%,
 against 0.0887 / 0.2999 / 0.4507 and 0.0294 / 0.0404 / 0.0634; seed 1 chat 0.0266 /
 0.0427 / 0.0498 against 0.0313 / 0.0382 / 0.0477. Not kept.
+
+The same statistic the other way round is kept (``leave_early_z``, 2026-12-07): a
+lead of 3 standard errors or more over LRU ends LRU's hold at once. Measured on the
+suite, 1,500 requests, both halves, seeds 0-4 (``kvwarm bench quality ... --no-peers
+--policies lru,lightgbm``): of the 120 single-tier rows one moved, seed 4's mixed at
+1%, from 0.0725 to 0.1137 (exact LRU 0.0577, ARC 0.1388). There the guard had left LRU
+for the model soon after the restart, fallen back after 35 requests on the next noisy
+estimate and served LRU for 513 of the replay's 787 requests in all, while the model's
+and LRU-2's ghosts hit twice LRU's. Seed 0's tiered rows (``--tiered``) came out
+identical; seed 4's keep the tiered bound (at most 1.000x LRU with prewarm's TTFT p50).
+Tried the same day and not kept: falling back to LRU whenever it leads the serving one
+by the margins, whichever candidate leads them both (the rule falls back only when the
+leader is within the margins of LRU). Meant for seed 4's chat at 10%, where the model
+served 500 requests behind LRU while LRU-2 led, it moved that row from -0.0117 to
+-0.0123 against exact LRU (the fallback came 333 requests in, after the loss), and it
+cost seed 0's chat at 10% 0.0135 (0.0515 to 0.0380: a fallback that then held LRU).
 
 Measured (``kvwarm bench quality --requests 2500 --no-peers --policies lru,lightgbm
 --tiered``, both halves, seeds 0-2; the rules above against the previous ones: the
@@ -276,6 +296,13 @@ class GuardParams(PolicyParams):
         description="Hysteresis: requests served by a candidate before it can lose to "
         "another than ``initial`` (falling back to ``initial`` is at once).",
     )
+    leave_early_z: float = Field(
+        3.0,
+        ge=0.0,
+        description="Leaving ``initial`` before ``min_requests_between_switches`` is "
+        "allowed when the leader's lead over it, per request, is at least this many "
+        "standard errors on every scale (and past both margins). 0: never early.",
+    )
     outer_capacity_blocks: int | None = Field(
         None,
         ge=1,
@@ -410,6 +437,7 @@ class _Scale:
         names: Sequence[str],
         seed: int,
         by_recency: Mapping[str, bool],
+        reference: str,
     ):
         ghost_capacity = min(capacity_blocks, ghost_blocks)
         self.capacity_blocks = capacity_blocks
@@ -425,6 +453,12 @@ class _Scale:
         self.accesses = 0.0
         self.num_sampled = 0
         """Sampled accesses counted (not decayed) since the estimates started."""
+        self.reference = reference
+        self.lead = {name: [0.0, 0.0] for name in names}
+        """Per candidate, the decayed sum of its per-request ghost hits minus the
+        reference's and of their squares (``lead_z``)."""
+        self.requests = 0.0
+        """Requests with a sampled block, decayed as the sums are."""
 
     def sampled(self, blocks: tuple[int, ...]) -> list[int]:
         """The distinct blocks of ``blocks`` in this scale's spatial sample."""
@@ -450,10 +484,19 @@ class _Scale:
             return 0
         decay = decay_per_access ** len(sampled)
         hits = self.hits
-        for name, ghost in self.ghosts.items():
-            h = ghost.access(sampled, candidates[name], now_ms, params.eviction_sample)
+        now = {
+            name: ghost.access(sampled, candidates[name], now_ms, params.eviction_sample)
+            for name, ghost in self.ghosts.items()
+        }
+        base = now[self.reference]
+        for name, h in now.items():
             hits[name] = hits[name] * decay + h
+            lead = self.lead[name]
+            d = h - base
+            lead[0] = lead[0] * decay + d
+            lead[1] = lead[1] * decay + d * d
         self.accesses = self.accesses * decay + len(sampled)
+        self.requests = self.requests * decay + 1.0
         self.num_sampled += len(sampled)
         return len(sampled)
 
@@ -461,6 +504,27 @@ class _Scale:
         if self.accesses <= 0:
             return dict.fromkeys(self.hits, 0.0)
         return {name: h / self.accesses for name, h in self.hits.items()}
+
+    def lead_z(self, name: str) -> float:
+        """How many standard errors ``name``'s mean per-request lead in ghost hits over
+        the reference is (requests taken as independent; 0 before two requests)."""
+        n = self.requests
+        if n < 2.0:
+            return 0.0
+        total, squares = self.lead[name]
+        mean = total / n
+        var = max(squares / n - mean * mean, 0.0)
+        if var == 0.0:
+            return 0.0 if mean <= 0 else float("inf")
+        return mean / (var / n) ** 0.5
+
+    def restart(self) -> None:
+        """Forget the estimates (the ghosts' contents are kept)."""
+        self.hits = dict.fromkeys(self.hits, 0.0)
+        self.accesses = 0.0
+        self.num_sampled = 0
+        self.lead = {name: [0.0, 0.0] for name in self.lead}
+        self.requests = 0.0
 
 
 class GuardedPolicy(Policy):
@@ -500,11 +564,16 @@ class GuardedPolicy(Policy):
         a scale whose weight is below ``min_scale_weight`` is not run."""
         if not self.tiered or weights["fastest"] >= p.min_scale_weight:
             self.scales["fastest"] = _Scale(
-                p.capacity_blocks, p.ghost_blocks, names, p.seed, recency
+                p.capacity_blocks, p.ghost_blocks, names, p.seed, recency, p.initial
             )
         if self.tiered and weights["outer"] >= p.min_scale_weight:
             self.scales["outer"] = _Scale(
-                p.outer_capacity_blocks or 0, p.ghost_blocks, names, p.seed + len(names), recency
+                p.outer_capacity_blocks or 0,
+                p.ghost_blocks,
+                names,
+                p.seed + len(names),
+                recency,
+                p.initial,
             )
         self._primary = next(iter(self.scales))
         """The scale the counters below read: the fastest, unless it is not run."""
@@ -571,11 +640,19 @@ class GuardedPolicy(Policy):
         if best != self.chosen and est[best] > est[self.chosen] + self._margin(est[self.chosen]):
             if est[best] <= est[p.initial] + self._margin(est[p.initial]):
                 best = p.initial  # leave the safe one only for a clear lead
-            if not held and best != p.initial:
+            if not held and best != p.initial and not self._clear_lead(best):
                 return  # back to the safe one at once; elsewhere only after a while
             self.chosen = best
             self._chosen_since = self.num_requests
             self.num_switches += 1
+
+    def _clear_lead(self, best: str) -> bool:
+        """Whether the safe one, serving now, may go to ``best`` before its hold is
+        over: ``best`` leads it by ``leave_early_z`` standard errors on every scale."""
+        z = self.params.leave_early_z
+        if z <= 0 or self.chosen != self.params.initial:
+            return False
+        return all(scale.lead_z(best) >= z for scale in self.scales.values())
 
     def _margin(self, estimate: float) -> float:
         p = self.params
@@ -588,9 +665,7 @@ class GuardedPolicy(Policy):
         training requests, where the model's ghost hits more than it will anywhere
         else. Those warm-up requests were not served: ``served_requests`` restarts too."""
         for scale in self.scales.values():
-            scale.hits = dict.fromkeys(scale.hits, 0.0)
-            scale.accesses = 0.0
-            scale.num_sampled = 0
+            scale.restart()
         self.served_requests = dict.fromkeys(self.served_requests, 0)
         self.chosen = self.params.initial
         self._chosen_since = self.num_requests - self.params.min_requests_between_switches

@@ -91,7 +91,7 @@ STATE_FIELDS: dict[str, tuple[str, ...]] = {
         "chosen",
         "_chosen_since",
     ),
-    "_Scale": ("ghosts", "hits", "accesses", "num_sampled"),
+    "_Scale": ("ghosts", "hits", "accesses", "num_sampled", "lead", "requests"),
     "_Ghost": ("slot", "members", "rng", "pending"),
     "_RecencyGhost": ("order",),
     # serving

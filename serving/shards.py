@@ -54,8 +54,9 @@ from serving.state_store import StateStore
 
 log = logging.getLogger(__name__)
 
-SNAPSHOT_VERSION = 3
-"""3: the prefetch gate keeps its precision per target tier."""
+SNAPSHOT_VERSION = 4
+"""3: the prefetch gate keeps its precision per target tier; 4: the guard's scales keep
+each candidate's per-request lead over the safe one."""
 
 
 @dataclass

@@ -283,6 +283,44 @@ def test_guard_moves_to_lru2_where_reads_repeat_behind_scans():
     assert served >= ratios["lru2"] - 0.05, (served, ratios)
 
 
+def test_a_lead_of_many_standard_errors_leaves_lru_before_the_hold_is_over():
+    events = repeat_behind_scans_events()
+    capacity = 300
+
+    def guard(z: float) -> GuardedPolicy:
+        params = GuardParams(
+            capacity_blocks=capacity, min_requests_between_switches=10_000, leave_early_z=z
+        )
+        return GuardedPolicy(params, {"lru": LRUPolicy(), "lru2": LRU2Policy()})
+
+    # A guard that just fell back to LRU holds it for its 10,000 requests ...
+    held = guard(0.0)
+    held.restart_estimates()
+    held._chosen_since = 0
+    assert _switch_request(held, events, "lru2") is None
+    # ... unless LRU-2's lead is clear: then at once, once the samples are in.
+    early = guard(3.0)
+    early.restart_estimates()
+    early._chosen_since = 0
+    at = _switch_request(early, events, "lru2")
+    assert at is not None and at < len(events) // 2
+    scale = early.scales["fastest"]
+    assert scale.lead_z("lru2") >= 3.0 and scale.lead_z("lru") == 0.0
+    assert scale.num_sampled >= early.params.min_sampled_accesses
+
+
+def test_lead_z_is_the_mean_lead_over_its_standard_error():
+    guard = _three()
+    scale = guard.scales["fastest"]
+    scale.requests = 100.0
+    scale.lead["lru2"] = [100.0 * 2.0, 100.0 * (2.0**2 + 4.0**2)]  # mean 2, sd 4
+    assert scale.lead_z("lru2") == pytest.approx(2.0 / (4.0 / 10.0))
+    scale.lead["lfu"] = [-50.0, 100.0]
+    assert scale.lead_z("lfu") < 0
+    guard.restart_estimates()
+    assert scale.lead_z("lru2") == 0.0 and scale.requests == 0.0
+
+
 def test_the_guards_heuristics_keep_one_block_table_and_score_as_separate_ones():
     """LRU, LFU and LRU-2 behind a guard read one table (LRU-2's, which keeps the
     second-to-last access), updated once per event; their scores equal those of the
