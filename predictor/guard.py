@@ -106,8 +106,9 @@ suite, 1,500 requests, both halves, seeds 0-4 (``kvwarm bench quality ... --no-p
 1%, from 0.0725 to 0.1137 (exact LRU 0.0577, ARC 0.1388). There the guard had left LRU
 for the model soon after the restart, fallen back after 35 requests on the next noisy
 estimate and served LRU for 513 of the replay's 787 requests in all, while the model's
-and LRU-2's ghosts hit twice LRU's. Seed 0's tiered rows (``--tiered``) came out
-identical; seed 4's keep the tiered bound (at most 1.000x LRU with prewarm's TTFT p50).
+and LRU-2's ghosts hit twice LRU's. The tiered rows (``--tiered``) of seeds 0-3 came
+out identical; seed 4's keep the tiered bound (at most 1.000x LRU with prewarm's TTFT
+p50).
 Tried the same day and not kept: falling back to LRU whenever it leads the serving one
 by the margins, whichever candidate leads them both (the rule falls back only when the
 leader is within the margins of LRU). Meant for seed 4's chat at 10%, where the model
