@@ -431,6 +431,12 @@ class _RecencyGhost:
 class _Scale:
     """Every candidate's ghost cache for one cache size, and their decayed hits."""
 
+    hits: dict[str, float]
+    accesses: float
+    num_sampled: int
+    lead: dict[str, list[float]]
+    requests: float
+
     def __init__(
         self,
         capacity_blocks: int,
@@ -450,16 +456,8 @@ class _Scale:
             else _Ghost(ghost_capacity, seed + i)
             for i, name in enumerate(names)
         }
-        self.hits = dict.fromkeys(names, 0.0)
-        self.accesses = 0.0
-        self.num_sampled = 0
-        """Sampled accesses counted (not decayed) since the estimates started."""
         self.reference = reference
-        self.lead = {name: [0.0, 0.0] for name in names}
-        """Per candidate, the decayed sum of its per-request ghost hits minus the
-        reference's and of their squares (``lead_z``)."""
-        self.requests = 0.0
-        """Requests with a sampled block, decayed as the sums are."""
+        self.restart()
 
     def sampled(self, blocks: tuple[int, ...]) -> list[int]:
         """The distinct blocks of ``blocks`` in this scale's spatial sample."""
@@ -520,12 +518,16 @@ class _Scale:
         return mean / (var / n) ** 0.5
 
     def restart(self) -> None:
-        """Forget the estimates (the ghosts' contents are kept)."""
-        self.hits = dict.fromkeys(self.hits, 0.0)
+        """Start the estimates afresh (the ghosts' contents are kept)."""
+        self.hits = dict.fromkeys(self.ghosts, 0.0)
         self.accesses = 0.0
         self.num_sampled = 0
-        self.lead = {name: [0.0, 0.0] for name in self.lead}
+        """Sampled accesses counted (not decayed) since the estimates started."""
+        self.lead = {name: [0.0, 0.0] for name in self.ghosts}
+        """Per candidate, the decayed sum of its per-request ghost hits minus the
+        reference's and of their squares (``lead_z``)."""
         self.requests = 0.0
+        """Requests with a sampled block, decayed as the sums are."""
 
 
 class GuardedPolicy(Policy):
