@@ -164,7 +164,19 @@ lose again. Nor a fourth heuristic, LRU behind a doorkeeper (blocks read twice b
 recency, blocks read once below them: B-LRU's rule): alone it beat every peer on chat at
 seed 1 at 5% and 10% (0.053 / 0.071 against B-LRU 0.046 and LHD 0.055), but as a
 candidate it changed no hit ratio of either half at seed 1 (at chat 5% the guard stayed on
-LRU-2).
+LRU-2). Measured again on 2026-12-07 as a fifth candidate (``lru_2hit``, now a
+registered baseline) over seeds 0-4, both halves, 1,500 requests, no peers (the peers'
+figures taken from the stored runs; the shared trace's rows, the same at every seed,
+counted once per seed): 26 of the 120 single-tier rows moved, 9 up and 17 down, mean
+-0.0001 (mean gap closed 38.5% against 38.6%); peer wins 6 / 5 / 6 / 7 / 5 of
+8 against 7 / 5 / 6 / 6 / 4 (seed 0 lost agent at 10%, 0.3805 against ARC 0.3867; seeds
+3 and 4 won agent at 5%, 0.2859 and 0.2770 against B-LRU 0.2734 and 0.2684), worst
+against exact LRU unchanged (seed 4's chat at 10%, -0.0117). The guard mostly reached it
+after serving another candidate for its 500-request hold (seed 1's chat at 5%: the model
+500 requests, then ``lru_2hit`` 159: 0.0421, where it alone hits 0.0533). With the early
+leave generalised to any serving candidate (a lead of 3 standard errors over the serving
+one, from the pairwise products of the leads) seed 1's 24 rows were identical. Not kept:
+one more ghost per scale for one peer win in 40 workload-seeds.
 
 Nor discounting the model's hits while it is scored on its own training data: its
 ghost counted only after the last training event, and it could be chosen only once it

@@ -18,6 +18,7 @@ POLICIES: dict[str, str] = {
     "lru": "predictor.baselines:LRUPolicy",
     "lfu": "predictor.baselines:LFUPolicy",
     "lru2": "predictor.baselines:LRU2Policy",
+    "lru_2hit": "predictor.baselines:LRU2HitPolicy",
     "prefix_lru": "predictor.baselines:PrefixLRUPolicy",
     "lightgbm": "predictor.lightgbm_policy:LightGBMPolicy",
     "lstm": "predictor.lstm_policy:LSTMPolicy",

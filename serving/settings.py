@@ -211,7 +211,7 @@ class SidecarSettings(BaseSettings):
     )
     model: str = Field(
         "lru",
-        description="The scoring policy: a baseline name (lru, lfu, lru2, prefix_lru), a saved "
+        description="The scoring policy: a baseline name (lru, lfu, lru2, lru_2hit, prefix_lru), a saved "
         "policy directory or a file in one, or an MLflow URI (models:/NAME@ALIAS). A model "
         "that fails to load, or whose feature version differs, is replaced by LRU and "
         "/healthz reports degraded.",

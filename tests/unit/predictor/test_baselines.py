@@ -50,19 +50,25 @@ def test_prefix_lru_golden_order():
     assert eviction_order("prefix_lru") == [C, B, D, A, E]
 
 
-def test_lru2_golden_order():
+@pytest.mark.parametrize(
+    "name, expected",
     # X read 1st and 5th, Y 2nd and 3rd, Z 4th: Z (read once) first, then the
-    # twice-read by their second-to-last read: X (1st) before Y (2nd). LRU would give
-    # Y Z X and LFU Z Y X.
-    x, y, z = 11, 22, 33
-    policy = make_policy("lru2")
+    # twice-read: LRU-2 by their second-to-last read, X (1st) before Y (2nd); second-hit
+    # LRU by their last, Y (3rd) before X (5th). LRU would give Y Z X and LFU Z Y X.
+    [("lru2", "zxy"), ("lru_2hit", "zyx")],
+)
+def test_twice_read_golden_orders(name, expected):
+    ids = {"x": 11, "y": 22, "z": 33}
+    x, y, z = ids["x"], ids["y"], ids["z"]
+    policy = make_policy(name)
     policy.observe_many([_req(0, x), _req(1, y), _req(2, y), _req(3, z), _req(4, x)])
     blocks = np.array([x, y, z], dtype=np.uint64)
-    assert blocks[np.argsort(policy.score(blocks, 5), kind="stable")].tolist() == [z, x, y]
+    order = blocks[np.argsort(policy.score(blocks, 5), kind="stable")].tolist()
+    assert order == [ids[c] for c in expected]
 
 
 def test_unknown_block_ranks_below_every_known_one():
-    for name in ("lru", "lfu", "lru2", "prefix_lru"):
+    for name in ("lru", "lfu", "lru2", "lru_2hit", "prefix_lru"):
         policy = make_policy(name)
         policy.observe_many(SEQUENCE)
         scores = policy.score(np.array([999, A, B, C, D, E], dtype=np.uint64), 30)
@@ -99,9 +105,20 @@ def test_lru_policy_is_exactly_the_reference_lru(capacity):
     assert _cache_hits("lru", events, capacity) == expected
 
 
-def _reference_lru2_hits(events: list[BlocksAccessed], capacity: int) -> int:
-    """LRU-2 written from its definition: evict the resident whose second-to-last read
-    is oldest; residents read once go first, least recently read first."""
+def _second_to_last_read(history: list[int]) -> tuple[int, int]:
+    """LRU-2's eviction key: the second-to-last read; read once: first, by the read."""
+    return (1, history[-2]) if len(history) >= 2 else (0, history[-1])
+
+
+def _last_read_if_twice(history: list[int]) -> tuple[int, int]:
+    """Second-hit LRU's: the last read; read once: first, by the read."""
+    return (1 if len(history) >= 2 else 0, history[-1])
+
+
+def _reference_hits(events: list[BlocksAccessed], capacity: int, rank=_second_to_last_read) -> int:
+    """A cache written from the policy's definition: evict the resident whose ``rank``
+    of its read history is lowest (for LRU-2: the second-to-last read oldest; residents
+    read once go first, least recently read first)."""
     reads: dict[int, list[int]] = {}
     resident: set[int] = set()
     hits = clock = 0
@@ -112,12 +129,7 @@ def _reference_lru2_hits(events: list[BlocksAccessed], capacity: int) -> int:
             resident.add(block)
             reads.setdefault(block, []).append(clock)
             if len(resident) > capacity:
-
-                def key(b: int) -> tuple[int, int]:
-                    history = reads[b]
-                    return (1, history[-2]) if len(history) >= 2 else (0, history[-1])
-
-                resident.remove(min(resident, key=key))
+                resident.remove(min(resident, key=lambda b: rank(reads[b])))
     return hits
 
 
@@ -128,7 +140,21 @@ def test_lru2_policy_is_exactly_the_reference_lru2(capacity):
 
     rows = generate(params_for("agent", num_requests=120, seed=5))
     events = [decode_mooncake(r, str(i)) for i, r in enumerate(rows)]
-    expected = _reference_lru2_hits(events, capacity)
+    expected = _reference_hits(events, capacity)
     assert expected > 0
     assert _cache_hits("lru2", events, capacity) == expected
     assert expected != lru_hits(access_arrays(events).block_ids, capacity)
+
+
+@pytest.mark.parametrize("capacity", [30, 150])
+def test_lru_2hit_policy_is_exactly_the_reference_second_hit_lru(capacity):
+    from features.decoders import decode_mooncake
+    from features.generator import generate, params_for
+
+    rows = generate(params_for("agent", num_requests=120, seed=5))
+    events = [decode_mooncake(r, str(i)) for i, r in enumerate(rows)]
+    expected = _reference_hits(events, capacity, _last_read_if_twice)
+    assert expected > 0
+    assert _cache_hits("lru_2hit", events, capacity) == expected
+    assert expected != lru_hits(access_arrays(events).block_ids, capacity)
+    assert expected != _reference_hits(events, capacity)  # not LRU-2 either

@@ -24,6 +24,7 @@ def test_registered_names():
         "lightgbm",
         "lru",
         "lru2",
+        "lru_2hit",
         "lstm",
         "oracle",
         "prefix_lru",
