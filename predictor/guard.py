@@ -177,6 +177,12 @@ after serving another candidate for its 500-request hold (seed 1's chat at 5%: t
 leave generalised to any serving candidate (a lead of 3 standard errors over the serving
 one, from the pairwise products of the leads) seed 1's 24 rows were identical. Not kept:
 one more ghost per scale for one peer win in 40 workload-seeds.
+Nor, the same day, the early leave's mirror: a serving candidate that trails LRU by 3
+standard errors per request on every scale (and by the margins) falls back to LRU
+during its hold, whoever leads. Meant for seed 5's agent at 5% (0.1822 against exact
+LRU's 0.1874: the guard left LRU for LFU 28 requests after the restart and held
+it for its 500 requests while LRU-2 and LRU led), it fell back there only after 477
+requests and then held LRU: 0.1777.
 
 Nor discounting the model's hits while it is scored on its own training data: its
 ghost counted only after the last training event, and it could be chosen only once it
