@@ -90,6 +90,7 @@ STATE_FIELDS: dict[str, tuple[str, ...]] = {
         "num_switches",
         "chosen",
         "_chosen_since",
+        "_estimates_since",
     ),
     "_Scale": ("ghosts", "hits", "accesses", "num_sampled", "lead", "requests"),
     "_Ghost": ("slot", "members", "rng", "pending"),

@@ -54,9 +54,10 @@ from serving.state_store import StateStore
 
 log = logging.getLogger(__name__)
 
-SNAPSHOT_VERSION = 4
+SNAPSHOT_VERSION = 5
 """3: the prefetch gate keeps its precision per target tier; 4: the guard's scales keep
-each candidate's per-request lead over the safe one."""
+each candidate's per-request lead over the safe one; 5: the guard keeps when its
+estimates (re)started (``min_requests``)."""
 
 
 @dataclass

@@ -429,7 +429,10 @@ def test_a_ghost_started_as_the_cache_starts_estimates_its_candidate_as_replayed
 
 
 def _rigged(guard: GuardedPolicy, estimates: dict[str, float], sampled: int = 10_000) -> None:
-    """Set every scale's estimates to ``estimates`` (hits over 1,000 accesses)."""
+    """Set every scale's estimates to ``estimates`` (hits over 1,000 accesses), with
+    ``sampled`` samples and at least ``min_requests`` requests behind them."""
+    minimum = guard._estimates_since + guard.params.min_requests
+    guard.num_requests = max(guard.num_requests, minimum)
     for scale in guard.scales.values():
         scale.hits = {name: 1_000.0 * value for name, value in estimates.items()}
         scale.accesses = 1_000.0
@@ -570,3 +573,28 @@ def test_restarting_the_estimates_serves_lru_until_new_evidence():
     _rigged(guard, {"lru": 0.1, "lfu": 0.5, "lru2": 0.1}, sampled=0)
     guard._maybe_switch()
     assert guard.chosen == "lru"
+
+
+def _set_estimates(guard: GuardedPolicy, estimates: dict[str, float]) -> None:
+    """``_rigged`` without moving the request count."""
+    for scale in guard.scales.values():
+        scale.hits = {name: 1_000.0 * value for name, value in estimates.items()}
+        scale.accesses = 1_000.0
+        scale.num_sampled = 10_000
+
+
+@pytest.mark.parametrize("tiered", [False, True])
+def test_a_single_tier_switch_waits_for_min_requests_after_a_restart(tiered):
+    guard = _three(outer_capacity_blocks=400 if tiered else None)
+    guard.num_requests = 1_000
+    guard.restart_estimates()
+    clear_lead = {"lru": 0.20, "lfu": 0.15, "lru2": 0.40}
+    guard.num_requests += guard.params.min_requests - 1
+    _set_estimates(guard, clear_lead)
+    guard._maybe_switch()
+    # Samples enough but one request short: the single tier waits; tiered serving has
+    # its own, larger sample minimum instead (met here).
+    assert guard.chosen == ("lru2" if tiered else "lru")
+    guard.num_requests += 1
+    guard._maybe_switch()
+    assert guard.chosen == "lru2"
