@@ -59,7 +59,7 @@ def test_prefix_lru_golden_order():
 )
 def test_twice_read_golden_orders(name, expected):
     ids = {"x": 11, "y": 22, "z": 33}
-    x, y, z = ids["x"], ids["y"], ids["z"]
+    x, y, z = ids.values()
     policy = make_policy(name)
     policy.observe_many([_req(0, x), _req(1, y), _req(2, y), _req(3, z), _req(4, x)])
     blocks = np.array([x, y, z], dtype=np.uint64)
@@ -105,6 +105,15 @@ def test_lru_policy_is_exactly_the_reference_lru(capacity):
     assert _cache_hits("lru", events, capacity) == expected
 
 
+def _agent_events() -> list[BlocksAccessed]:
+    """120 requests of the agent profile, where reads repeat behind one-off ones."""
+    from features.decoders import decode_mooncake
+    from features.generator import generate, params_for
+
+    rows = generate(params_for("agent", num_requests=120, seed=5))
+    return [decode_mooncake(r, str(i)) for i, r in enumerate(rows)]
+
+
 def _second_to_last_read(history: list[int]) -> tuple[int, int]:
     """LRU-2's eviction key: the second-to-last read; read once: first, by the read."""
     return (1, history[-2]) if len(history) >= 2 else (0, history[-1])
@@ -135,11 +144,7 @@ def _reference_hits(events: list[BlocksAccessed], capacity: int, rank=_second_to
 
 @pytest.mark.parametrize("capacity", [30, 150])
 def test_lru2_policy_is_exactly_the_reference_lru2(capacity):
-    from features.decoders import decode_mooncake
-    from features.generator import generate, params_for
-
-    rows = generate(params_for("agent", num_requests=120, seed=5))
-    events = [decode_mooncake(r, str(i)) for i, r in enumerate(rows)]
+    events = _agent_events()
     expected = _reference_hits(events, capacity)
     assert expected > 0
     assert _cache_hits("lru2", events, capacity) == expected
@@ -148,11 +153,7 @@ def test_lru2_policy_is_exactly_the_reference_lru2(capacity):
 
 @pytest.mark.parametrize("capacity", [30, 150])
 def test_lru_2hit_policy_is_exactly_the_reference_second_hit_lru(capacity):
-    from features.decoders import decode_mooncake
-    from features.generator import generate, params_for
-
-    rows = generate(params_for("agent", num_requests=120, seed=5))
-    events = [decode_mooncake(r, str(i)) for i, r in enumerate(rows)]
+    events = _agent_events()
     expected = _reference_hits(events, capacity, _last_read_if_twice)
     assert expected > 0
     assert _cache_hits("lru_2hit", events, capacity) == expected

@@ -428,15 +428,22 @@ def test_a_ghost_started_as_the_cache_starts_estimates_its_candidate_as_replayed
         assert abs(hits / accesses - replayed) <= GHOST_FIDELITY, (name, fraction, capacity)
 
 
-def _rigged(guard: GuardedPolicy, estimates: dict[str, float], sampled: int = 10_000) -> None:
+def _set_estimates(
+    guard: GuardedPolicy, estimates: dict[str, float], sampled: int = 10_000
+) -> None:
     """Set every scale's estimates to ``estimates`` (hits over 1,000 accesses), with
-    ``sampled`` samples and at least ``min_requests`` requests behind them."""
-    minimum = guard._estimates_since + guard.params.min_requests
-    guard.num_requests = max(guard.num_requests, minimum)
+    ``sampled`` samples behind them; the request count is left as it is."""
     for scale in guard.scales.values():
         scale.hits = {name: 1_000.0 * value for name, value in estimates.items()}
         scale.accesses = 1_000.0
         scale.num_sampled = sampled
+
+
+def _rigged(guard: GuardedPolicy, estimates: dict[str, float], sampled: int = 10_000) -> None:
+    """``_set_estimates`` with at least ``min_requests`` requests behind them too."""
+    minimum = guard._estimates_since + guard.params.min_requests
+    guard.num_requests = max(guard.num_requests, minimum)
+    _set_estimates(guard, estimates, sampled)
 
 
 def _three(**params) -> GuardedPolicy:
@@ -573,14 +580,6 @@ def test_restarting_the_estimates_serves_lru_until_new_evidence():
     _rigged(guard, {"lru": 0.1, "lfu": 0.5, "lru2": 0.1}, sampled=0)
     guard._maybe_switch()
     assert guard.chosen == "lru"
-
-
-def _set_estimates(guard: GuardedPolicy, estimates: dict[str, float]) -> None:
-    """``_rigged`` without moving the request count."""
-    for scale in guard.scales.values():
-        scale.hits = {name: 1_000.0 * value for name, value in estimates.items()}
-        scale.accesses = 1_000.0
-        scale.num_sampled = 10_000
 
 
 @pytest.mark.parametrize("tiered", [False, True])
