@@ -321,6 +321,50 @@ def test_lead_z_is_the_mean_lead_over_its_standard_error():
     assert scale.lead_z("lru2") == 0.0 and scale.requests == 0.0
 
 
+def test_pair_z_is_the_paired_lead_and_agrees_with_lead_z_against_the_reference():
+    guard = _three()
+    guard.observe_many(recency_events(num_requests=600))
+    scale = guard.scales["fastest"]
+    assert scale.requests > 2
+    for name in ("lfu", "lru2"):
+        # The reference's pair with a candidate sums the same differences negated.
+        assert scale.pair_z(name, "lru") == scale.lead_z(name)
+        assert scale.pair_z("lru", name) == -scale.lead_z(name)
+    assert scale.pair_z("lru2", "lfu") == -scale.pair_z("lfu", "lru2")
+    scale.requests = 100.0
+    scale.pair[("lfu", "lru2")] = [100.0 * -2.0, 100.0 * (2.0**2 + 4.0**2)]  # mean -2, sd 4
+    assert scale.pair_z("lru2", "lfu") == pytest.approx(2.0 / (4.0 / 10.0))
+    assert scale.pair_z("lfu", "lfu") == 0.0
+
+
+@pytest.mark.parametrize(
+    ("tiered", "leave_early_any", "lead_z", "expected"),
+    [
+        (False, True, 5.0, "lru2"),  # a clear lead over the serving one: at once
+        (False, True, 2.5, "lfu"),  # not clear enough: the hold stands
+        (False, False, 5.0, "lfu"),  # the early leave from LRU alone
+        (True, True, 5.0, "lfu"),  # tiered serving keeps its hold
+    ],
+)
+def test_a_serving_heuristic_is_left_early_only_for_a_clear_paired_lead(
+    tiered, leave_early_any, lead_z, expected
+):
+    guard = _three(outer_capacity_blocks=400 if tiered else None, leave_early_any=leave_early_any)
+    guard.num_requests = 1_000
+    guard.restart_estimates()
+    guard.chosen, guard._chosen_since = "lfu", guard.num_requests  # its hold just began
+    guard.num_requests += guard.params.min_requests
+    _set_estimates(guard, {"lru": 0.10, "lfu": 0.20, "lru2": 0.40})
+    for scale in guard.scales.values():
+        scale.requests = 100.0
+        # LRU-2 ahead of LFU by `lead_z` standard errors per request (sd 4, 100 requests).
+        mean = lead_z * 4.0 / 10.0
+        scale.pair[("lfu", "lru2")] = [100.0 * -mean, 100.0 * (mean**2 + 4.0**2)]
+    assert guard.scales["fastest"].pair_z("lru2", "lfu") == pytest.approx(lead_z)
+    guard._maybe_switch()
+    assert guard.chosen == expected
+
+
 def test_the_guards_heuristics_keep_one_block_table_and_score_as_separate_ones():
     """LRU, LFU and LRU-2 behind a guard read one table (LRU-2's, which keeps the
     second-to-last access), updated once per event; their scores equal those of the
