@@ -204,7 +204,12 @@ and their peers): 3 of the 168 single-tier rows moved, all up (seed 0's sharedpr
 0.0817 to 0.0858, LIRS 0.0813), worst against exact LRU unchanged at every seed,
 peer wins 6 / 5 / 6 / 7 / 4 / 4 / 6 of 8 against 6 / 5 / 6 / 6 / 4 / 4 / 6. Tiered
 serving keeps its hold (its estimates weigh two scales and a wrong choice refills DRAM
-too; not measured there).
+too; not measured there). Tried the same day and not kept: 2 standard errors instead of
+3 for this leave (LRU's own early leave kept at 3), the same suite against the rows
+above: 6 up and 3 down of 168 (seed 0's sharedprefix at 1% 0.2661, seed 3's agent at 1%
+0.0696 against 0.0581; seed 1's agent at 1% 0.0589 against 0.0706, seed 4's mixed at 1%
+0.1179 against 0.1368: LRU-2 or the model taken on a noisy lead and held), sum of the
+moves -0.0004, worst against exact LRU and peer wins unchanged at every seed.
 Nor, the same day, the early leave's mirror: a serving candidate that trails LRU by 3
 standard errors per request on every scale (and by the margins) falls back to LRU
 during its hold, whoever leads. Meant for seed 5's agent at 5% (0.1822 against exact
