@@ -552,13 +552,8 @@ class _Scale:
             name: ghost.access(sampled, candidates[name], now_ms, params.eviction_sample)
             for name, ghost in self.ghosts.items()
         }
-        base = now[self.reference]
         for name, h in now.items():
             hits[name] = hits[name] * decay + h
-            lead = self.lead[name]
-            d = h - base
-            lead[0] = lead[0] * decay + d
-            lead[1] = lead[1] * decay + d * d
         for (a, b), pair in self.pair.items():
             d = now[a] - now[b]
             pair[0] = pair[0] * decay + d
@@ -576,15 +571,12 @@ class _Scale:
     def lead_z(self, name: str) -> float:
         """How many standard errors ``name``'s mean per-request lead in ghost hits over
         the reference is (requests taken as independent; 0 before two requests)."""
-        n = self.requests
-        if n < 2.0:
-            return 0.0
-        total, squares = self.lead[name]
-        return _z(total, squares, n)
+        return self.pair_z(name, self.reference)
 
     def pair_z(self, a: str, b: str) -> float:
         """How many standard errors ``a``'s mean per-request lead in ghost hits over
-        ``b`` is (``lead_z`` for any two candidates)."""
+        ``b`` is (``lead_z`` for any two candidates; a pair's sums kept once, in
+        candidate order, and negated for the other order, which is exact)."""
         n = self.requests
         if n < 2.0 or a == b:
             return 0.0
@@ -601,9 +593,6 @@ class _Scale:
         self.accesses = 0.0
         self.num_sampled = 0
         """Sampled accesses counted (not decayed) since the estimates started."""
-        self.lead = {name: [0.0, 0.0] for name in self.ghosts}
-        """Per candidate, the decayed sum of its per-request ghost hits minus the
-        reference's and of their squares (``lead_z``)."""
         names = list(self.ghosts)
         self.pair = {(a, b): [0.0, 0.0] for i, a in enumerate(names) for b in names[i + 1 :]}
         """Per two candidates (in candidate order), the decayed sum of the first's
@@ -745,16 +734,17 @@ class GuardedPolicy(Policy):
             self.num_switches += 1
 
     def _clear_lead(self, best: str) -> bool:
-        """Whether the safe one, serving now, may go to ``best`` before its hold is
-        over: ``best`` leads it by ``leave_early_z`` standard errors on every scale."""
-        z = self.params.leave_early_z
-        if z <= 0:
+        """Whether the serving one may go to ``best`` before its hold is over: ``best``
+        leads it by ``leave_early_z`` standard errors on every scale, and the serving one
+        is the safe one or (single tier, ``leave_early_any``) any candidate."""
+        p = self.params
+        if p.leave_early_z <= 0:
             return False
-        if self.chosen == self.params.initial:
-            return all(scale.lead_z(best) >= z for scale in self.scales.values())
-        if self.tiered or not self.params.leave_early_any:
+        if self.chosen != p.initial and (self.tiered or not p.leave_early_any):
             return False
-        return all(scale.pair_z(best, self.chosen) >= z for scale in self.scales.values())
+        return all(
+            scale.pair_z(best, self.chosen) >= p.leave_early_z for scale in self.scales.values()
+        )
 
     def _margin(self, estimate: float) -> float:
         p = self.params

@@ -92,7 +92,7 @@ STATE_FIELDS: dict[str, tuple[str, ...]] = {
         "_chosen_since",
         "_estimates_since",
     ),
-    "_Scale": ("ghosts", "hits", "accesses", "num_sampled", "lead", "pair", "requests"),
+    "_Scale": ("ghosts", "hits", "accesses", "num_sampled", "pair", "requests"),
     "_Ghost": ("slot", "members", "rng", "pending"),
     "_RecencyGhost": ("order",),
     # serving

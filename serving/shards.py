@@ -54,11 +54,12 @@ from serving.state_store import StateStore
 
 log = logging.getLogger(__name__)
 
-SNAPSHOT_VERSION = 6
+SNAPSHOT_VERSION = 7
 """3: the prefetch gate keeps its precision per target tier; 4: the guard's scales keep
 each candidate's per-request lead over the safe one; 5: the guard keeps when its
 estimates (re)started (``min_requests``); 6: the guard's scales keep the per-request lead
-of every pair of candidates (``leave_early_any``)."""
+of every pair of candidates (``leave_early_any``); 7: and no longer the leads over the
+safe one, which are those pairs' own."""
 
 
 @dataclass

@@ -313,9 +313,10 @@ def test_lead_z_is_the_mean_lead_over_its_standard_error():
     guard = _three()
     scale = guard.scales["fastest"]
     scale.requests = 100.0
-    scale.lead["lru2"] = [100.0 * 2.0, 100.0 * (2.0**2 + 4.0**2)]  # mean 2, sd 4
+    # The pairs' sums are kept in candidate order: (lru, x) sums LRU's hits minus x's.
+    scale.pair[("lru", "lru2")] = [-100.0 * 2.0, 100.0 * (2.0**2 + 4.0**2)]  # mean 2, sd 4
     assert scale.lead_z("lru2") == pytest.approx(2.0 / (4.0 / 10.0))
-    scale.lead["lfu"] = [-50.0, 100.0]
+    scale.pair[("lru", "lfu")] = [50.0, 100.0]
     assert scale.lead_z("lfu") < 0
     guard.restart_estimates()
     assert scale.lead_z("lru2") == 0.0 and scale.requests == 0.0
