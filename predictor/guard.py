@@ -499,7 +499,7 @@ class _Scale:
     hits: dict[str, float]
     accesses: float
     num_sampled: int
-    lead: dict[str, list[float]]
+    pair: dict[tuple[str, str], list[float]]
     requests: float
 
     def __init__(
